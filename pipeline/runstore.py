@@ -69,7 +69,7 @@ class RunStore:
 
 
 def latest_run_id(root: Path) -> str | None:
-    runs = [p for p in Path(root).glob("*") if p.is_dir() and not p.name.startswith(".")]
+    runs = [p.parent for p in Path(root).glob("*/config.yaml")]  # run dirs only, not mlflow's files
     return max(runs, key=lambda p: p.stat().st_mtime).name if runs else None
 
 

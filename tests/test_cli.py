@@ -51,3 +51,20 @@ def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
 def test_bad_override_is_one_line(tmp_path):
     res = pipeline("run", "distill.stepz=1", cwd=tmp_path)
     assert res.returncode == 2 and "unknown key 'distill.stepz'" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_stage_is_tracked_in_mlflow(tmp_path, tiny_data):
+    import mlflow
+
+    res = pipeline("run", "--stage", "prepare", "--run-id", "r2", f"data.source={tiny_data}",
+                   "data.val_fraction=0.2", "data.min_assistant_tokens=4", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = {r.info.run_name: r for r in mlflow.search_runs(experiment_names=["draftsmith"], output_format="list")}
+    parent, stage = runs["r2"], runs["prepare"]
+    assert stage.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert stage.data.tags["draftsmith.status"] == "completed"
+    assert stage.data.metrics["malformed"] == 1 and stage.data.params["data.val_fraction"] == "0.2"
+    arts = [a.path for a in mlflow.MlflowClient().list_artifacts(stage.info.run_id, "prepare")]
+    assert "prepare/stage.json" in arts

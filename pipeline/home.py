@@ -10,17 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from runtime.files import sha256_file  # noqa: F401  (re-exported for pipeline modules)
+
 
 def home() -> Path:
     return Path(os.environ.get("DRAFTSMITH_HOME") or Path.home() / ".cache" / "draftsmith")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def digest_json(obj) -> str:

@@ -1,0 +1,85 @@
+"""The one way the runtime reads a drafter bundle: every file hash and the target fingerprint are checked
+before anything is loaded. Bundles hold safetensors and JSON only (no pickle).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.files import sha256_file
+
+FORMAT = "draftsmith-bundle/1"
+MANIFEST = "manifest.json"
+CONFIG = "drafter_config.json"
+WEIGHTS = "drafter.safetensors"
+
+
+class BundleError(ValueError):
+    """A bundle that must not be loaded: tampered, truncated, incomplete, or for another target."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    dir: Path
+    manifest: dict
+
+    @property
+    def drafter_config(self) -> dict:
+        return json.loads(self.path(CONFIG).read_text())
+
+    @property
+    def kind(self) -> str:
+        return self.drafter_config["kind"]
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["files"]
+
+    def path(self, name: str) -> Path:
+        if name not in self.manifest["files"]:
+            raise BundleError(f"bundle {self.dir}: no file {name!r} in its manifest")
+        return self.dir / name
+
+    def tensors(self, name: str = WEIGHTS) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path(name)))
+
+
+def _safe_member(root: Path, name: str) -> Path:
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts or not name:
+        raise BundleError(f"bundle {root}: manifest names {name!r}, a path outside the bundle directory")
+    full = (root / p).resolve()
+    if root.resolve() not in full.parents:
+        raise BundleError(f"bundle {root}: manifest names {name!r}, which resolves outside the bundle directory")
+    return full
+
+
+def read_bundle(path: str | Path, expect_target_fingerprint: str | None = None) -> Bundle:
+    root = Path(path)
+    mf = root / MANIFEST
+    if not mf.is_file():
+        raise BundleError(f"bundle {root}: no {MANIFEST} (not a bundle directory?)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"bundle {root}: {MANIFEST} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"bundle {root}: {MANIFEST} format is not {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or CONFIG not in files:
+        raise BundleError(f"bundle {root}: {MANIFEST} must list files including {CONFIG}")
+    for name, want in files.items():
+        full = _safe_member(root, name)
+        if not full.is_file():
+            raise BundleError(f"bundle {root}: {name} is listed in the manifest but missing")
+        got = sha256_file(full)
+        if got != want:
+            raise BundleError(f"bundle {root}: {name} has sha256 {got[:12]}..., manifest says {str(want)[:12]}... "
+                              "(tampered or truncated)")
+    fp = manifest.get("target_fingerprint")
+    if expect_target_fingerprint is not None and fp != expect_target_fingerprint:
+        raise BundleError(f"bundle {root}: built for target {str(fp)[:12]}..., but the target given is "
+                          f"{expect_target_fingerprint[:12]}...")
+    return Bundle(root, manifest)

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+import torch
+
+from export.bundle import write_bundle
+from runtime.bundle import BundleError, read_bundle
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    out = tmp_path / "bundle"
+    write_bundle(out, {"kind": "ngram", "max_ngram": 4}, {"w": torch.arange(6.0).reshape(2, 3)},
+                 target_fingerprint="fp-a", data_digest="dd", config={"x": 1}, code_version="test")
+    return out
+
+
+def _rewrite_manifest(bundle, fn):
+    m = json.loads((bundle / "manifest.json").read_text())
+    fn(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+def test_roundtrip(bundle):
+    b = read_bundle(bundle, expect_target_fingerprint="fp-a")
+    assert b.kind == "ngram" and b.drafter_config["max_ngram"] == 4
+    assert torch.equal(b.tensors()["w"], torch.arange(6.0).reshape(2, 3))
+    assert set(b.manifest["files"]) == {"drafter_config.json", "drafter.safetensors"}
+
+
+def test_tampered_file_refused(bundle):
+    data = bytearray((bundle / "drafter.safetensors").read_bytes())
+    data[-1] ^= 1
+    (bundle / "drafter.safetensors").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="drafter.safetensors has sha256"):
+        read_bundle(bundle)
+
+
+def test_truncated_file_refused(bundle):
+    p = bundle / "drafter.safetensors"
+    p.write_bytes(p.read_bytes()[:10])
+    with pytest.raises(BundleError, match="tampered or truncated"):
+        read_bundle(bundle)
+
+
+def test_wrong_target_refused(bundle):
+    with pytest.raises(BundleError, match="built for target"):
+        read_bundle(bundle, expect_target_fingerprint="fp-b")
+
+
+def test_missing_file_refused(bundle):
+    (bundle / "drafter.safetensors").unlink()
+    with pytest.raises(BundleError, match="listed in the manifest but missing"):
+        read_bundle(bundle)
+
+
+@pytest.mark.parametrize("name", ["../secret", "/etc/passwd", "a/../../x"])
+def test_path_traversal_refused(bundle, tmp_path, name):
+    (tmp_path / "secret").write_text("s")
+    _rewrite_manifest(bundle, lambda m: m["files"].__setitem__(name, "0" * 64))
+    with pytest.raises(BundleError, match="outside the bundle"):
+        read_bundle(bundle)
+
+
+def test_symlink_escape_refused(bundle, tmp_path):
+    (tmp_path / "outside.json").write_text("{}")
+    (bundle / "link.json").symlink_to(tmp_path / "outside.json")
+    _rewrite_manifest(bundle, lambda m: m["files"].__setitem__("link.json", "0" * 64))
+    with pytest.raises(BundleError, match="outside the bundle"):
+        read_bundle(bundle)
+
+
+def test_not_a_bundle(tmp_path):
+    with pytest.raises(BundleError, match="no manifest.json"):
+        read_bundle(tmp_path)
+    (tmp_path / "manifest.json").write_text("{broken")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        read_bundle(tmp_path)

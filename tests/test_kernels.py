@@ -1,0 +1,172 @@
+"""kernels/topp.py and kernels/kv_quant.py: torch references against their definitions, Triton kernels
+(in Triton's CPU interpreter, fp32: the interpreter has no bf16) against the references."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import pytest
+import torch
+
+import kernels.kv_quant as kvq
+import kernels.topp as topp
+
+
+def run_in_triton_interpreter(check: Callable[[], None]) -> None:
+    """Run `check`, a function of this module, in a fresh Python with TRITON_INTERPRET=1.
+
+    Triton chooses interpreter or compiler when a function is decorated -- its own library (tl.sum, tl.zeros)
+    included, at `import triton` -- so the variable only works if set before anything imports triton, which
+    this pytest process cannot promise."""
+    code = (f"import importlib.util as u; s = u.spec_from_file_location('checks', {__file__!r}); "
+            f"m = u.module_from_spec(s); s.loader.exec_module(m); m.{check.__name__}()")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def softmax_rows(*shape: int, seed: int, sharpness: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(sharpness * torch.randn(*shape, generator=g), -1)
+
+
+def sorted_topp_mask(w: torch.Tensor, p: float) -> torch.Tensor:
+    """The textbook top-p: sort descending, keep the shortest prefix whose mass reaches p."""
+    values, order = w.sort(-1, descending=True)
+    keep_sorted = (values.cumsum(-1) - values) < p  # an element is needed while the mass before it is short of p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+# ---- top-p ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.8, 0.95])
+def test_topp_threshold_selects_the_minimal_set_sorting_would(seed, p):
+    w = softmax_rows(4, 3, 97, seed=seed)
+    keep, threshold = topp.topp_mask_torch(w, p)
+    assert torch.equal(keep, sorted_topp_mask(w, p))
+    assert torch.equal(keep, w >= threshold.unsqueeze(-1))
+    kept_mass = torch.where(keep, w, 0.0).sum(-1)
+    assert (kept_mass >= p).all()
+    smallest_kept = torch.where(keep, w, torch.inf).amin(-1)
+    assert (kept_mass - smallest_kept < p).all()  # dropping any kept weight falls short: minimal
+
+
+def test_topp_keeps_every_weight_tied_with_the_threshold():
+    w = torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.1, 0.3, 0.3, 0.3]])
+    keep, threshold = topp.topp_mask_torch(w, 0.5)
+    assert keep.tolist() == [[True, True, True, True], [False, True, True, True]]
+    assert threshold.tolist() == pytest.approx([0.2, 0.3])
+
+
+def test_topp_full_mass_keeps_all_positive_weights_and_works_in_bf16():
+    w = softmax_rows(2, 64, seed=5).bfloat16()
+    w[0, :3] = 0
+    keep, threshold = topp.topp_mask_torch(w, 1.0)
+    assert keep[1].all() and keep[0, 3:].all()
+    assert threshold.dtype == torch.bfloat16 and torch.equal(keep, w >= threshold.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("p", [0.0, -0.1, 1.5])
+def test_topp_rejects_mass_outside_unit_interval(p):
+    with pytest.raises(ValueError, match="top-p mass"):
+        topp.topp_mask(softmax_rows(2, 8, seed=0), p)
+
+
+def test_topp_dispatcher_uses_the_reference_on_cpu():
+    w = softmax_rows(3, 50, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(topp.topp_mask(w, 0.7), topp.topp_mask_torch(w, 0.7)))
+
+
+def check_topp_triton_matches_torch() -> None:
+    for shape in [(2, 3, 40), (1, 1500)]:  # one block per row; several blocks per row
+        w = softmax_rows(*shape, seed=7, sharpness=2.0)
+        for p in (0.3, 0.9):
+            keep, threshold = topp.topp_mask_triton(w, p)
+            ref_keep, ref_threshold = topp.topp_mask_torch(w, p)
+            assert torch.equal(keep, ref_keep) and torch.equal(threshold, ref_threshold), (shape, p)
+
+
+def test_topp_triton_matches_torch_in_the_interpreter():
+    run_in_triton_interpreter(check_topp_triton_matches_torch)
+
+
+# ---- KV quantisation ------------------------------------------------------------------------------------------
+
+def kv_rows(seed: int, shape=(2, 5, 3, 64)) -> torch.Tensor:
+    """[batch, tokens, heads, head_dim] with per-row magnitudes spread over decades and one all-zero row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp(2 * torch.randn(*shape[:-1], 1, generator=g))
+    x[0, 0, 0] = 0
+    return x
+
+
+def test_split_int8_is_exact_for_every_code():
+    q8 = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    upper, lower = kvq.split_int8(q8)
+    assert torch.equal(16 * upper + lower, q8.to(torch.int16))
+    assert upper.min() == -8 and upper.max() == 7 and lower.min() == 0 and lower.max() == 15
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_int8_error_is_at_most_half_a_step(seed):
+    x = kv_rows(seed)
+    q, scale = kvq.quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.shape == x.shape[:-1] and q.abs().max() <= 127
+    err = (kvq.dequantize_int8(q, scale) - x).abs()
+    assert (err <= scale.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
+    assert torch.equal(kvq.dequantize_int8(q, scale)[0, 0, 0], torch.zeros(64))
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+def test_int4_groupwise_error_is_at_most_half_a_step(group_size):
+    x = kv_rows(3)
+    packed, scale = kvq.quantize_int4(x, group_size)
+    assert packed.dtype == torch.uint8 and packed.shape == (*x.shape[:-1], 32)
+    assert scale.shape == (*x.shape[:-1], 64 // group_size)
+    err = (kvq.dequantize_int4(packed, scale) - x).abs()
+    assert (err <= scale.repeat_interleave(group_size, -1) / 2 * (1 + 1e-6)).all()
+
+
+def test_hierarchical_full_equals_int8_exactly_and_upper_is_within_its_bound():
+    x = kv_rows(4)
+    upper, lower, scale = kvq.quantize_hierarchical(x)
+    q8, scale8 = kvq.quantize_int8(x)
+    assert torch.equal(scale, scale8)
+    assert torch.equal(kvq.dequant_full(upper, lower, scale), kvq.dequantize_int8(q8, scale8))
+    u, _ = kvq.split_int8(q8)  # the upper plane alone holds each code's upper nibble
+    assert torch.equal(kvq.dequant_upper(upper, scale), (16 * u + 8).float() * scale.unsqueeze(-1))
+    err = (kvq.dequant_upper(upper, scale) - x).abs()
+    assert (err <= 8.5 * scale.unsqueeze(-1) * (1 + 1e-6)).all()
+
+
+def test_quantisers_reject_bad_shapes_with_a_clear_message():
+    with pytest.raises(ValueError, match="multiple of an even group size"):
+        kvq.quantize_int4(torch.randn(4, 48), 32)
+    with pytest.raises(ValueError, match="floating tensor"):
+        kvq.quantize_int8(torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="packed uint8"):
+        kvq.dequantize_int4(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 3))
+
+
+def check_kv_quant_triton_matches_torch() -> None:
+    x = kv_rows(5, shape=(2, 3, 2, 64))
+    q, s = kvq.quantize_int8_triton(x)
+    ref_q, ref_s = kvq.quantize_int8_torch(x)
+    assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+    for group_size in (32, 64):
+        packed, scale = kvq.quantize_int4_triton(x, group_size)
+        ref_packed, ref_scale = kvq.quantize_int4_torch(x, group_size)
+        assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale), group_size
+        assert torch.equal(kvq.dequantize_int4_triton(packed, scale), kvq.dequantize_int4_torch(packed, scale))
+    upper, lower, scale = kvq.quantize_hierarchical_triton(x)
+    ref = kvq.quantize_hierarchical_torch(x)
+    assert all(torch.equal(a, b) for a, b in zip((upper, lower, scale), ref))
+    assert torch.equal(kvq.dequant_upper_triton(upper, scale), kvq.dequant_upper_torch(upper, scale))
+    assert torch.equal(kvq.dequant_full_triton(upper, lower, scale), kvq.dequant_full_torch(upper, lower, scale))
+
+
+def test_kv_quant_triton_matches_torch_bit_for_bit_in_the_interpreter():
+    run_in_triton_interpreter(check_kv_quant_triton_matches_torch)

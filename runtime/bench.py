@@ -1,0 +1,180 @@
+"""`pipeline bench`: HF transformers `generate`, our autoregressive decoding and our speculative decoding, measured
+in one process on the same prompts, plus how close our decode step comes to the weight-streaming floor.
+
+The floor: a decode step must read every weight once, so it takes at least (weight bytes) / (memory bandwidth).
+Bandwidth is measured as a large tensor copy (bytes copied per second, best of several), the tied embedding
+is counted once (as the lm_head; the input embedding reads one row).
+"""
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from runtime.drafter import DraftBudget, Drafter
+from runtime.engine import Engine, EngineConfig, Generation
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+
+DrafterFactory = Callable[[str, Transformer], Drafter]
+Method = Callable[[list[int], torch.Generator], tuple[list[int], "Generation | None"]]
+
+
+def default_bench_prompts() -> list[str]:
+    """Short user turns; run_bench wraps each in the target's chat template."""
+    return ["Write a short poem about the sea.",
+            "Explain in three sentences why the sky is blue.",
+            "Give me a Python function that reverses a string, with a docstring.",
+            "What are the main differences between a list and a tuple in Python?",
+            "Summarise the plot of Romeo and Juliet in a paragraph."]
+
+
+def ngram_drafter_factory(spec: str, target: Transformer) -> Drafter:
+    from runtime.ngram import NgramDrafter
+
+    if spec != "ngram":
+        raise ValueError(f"drafter {spec!r}: this factory knows only 'ngram' (pass drafter_factory for bundles)")
+    return NgramDrafter(target.config.vocab_size)
+
+
+def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second of a large tensor copy, best of `repeats` (into a preallocated tensor: no page faults)."""
+    src = torch.ones(n_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return n_bytes / best
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Bytes of weights a decode step streams: every unique parameter except an untied input embedding."""
+    streamed = [p for name, p in model.named_parameters()  # unique parameters; a tied table is `output`'s
+                if model.tok_embeddings is model.output or not name.startswith("tok_embeddings.")]
+    return sum(p.numel() * p.element_size() for p in streamed)
+
+
+def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[str], max_new_tokens: int = 128,
+              temperature: float = 0.0, *, dtype: torch.dtype = torch.float32, budget: DraftBudget = DraftBudget(5),
+              drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
+              seed: int = 0, print_table: bool = True) -> dict:
+    """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not prompts:
+        raise ValueError("run_bench: prompts is empty")
+    params = SamplingParams(temperature=temperature)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompt_ids = [encode(tokenizer, p, chat_template) for p in prompts]
+    stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + budget.max_nodes + 1
+
+    target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget)
+
+    def ours(engine: Engine) -> Method:
+        def run(ids: list[int], gen: torch.Generator) -> tuple[list[int], Generation | None]:
+            out = engine.generate(ids, max_new_tokens, params, gen, stop_ids)
+            return out.tokens, out
+        return run
+
+    methods: dict[str, Method] = {
+        "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stop_ids, gen), None),
+        "ours_ar": ours(Engine(target, None, cfg))}
+    if drafter_spec is not None:
+        methods["ours_spec"] = ours(Engine(target, drafter_factory(drafter_spec, target), cfg))
+
+    results, outputs = {}, {}
+    for name, run in methods.items():
+        run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))  # warm-up: allocator, kernels, caches
+        gen = torch.Generator().manual_seed(seed)
+        new_tokens, seconds, decode_s, forwards, outputs[name] = 0, 0.0, 0.0, 0, []
+        for ids in prompt_ids:
+            start = time.perf_counter()
+            tokens, out = run(ids, gen)
+            seconds += time.perf_counter() - start
+            outputs[name].append(tokens)
+            new_tokens += len(tokens)
+            if out is not None:
+                decode_s += out.metrics.total_s - out.metrics.prefill_s
+                forwards += out.metrics.target_forwards
+        results[name] = {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds}
+        if forwards:  # the first token of each prompt comes from the prefill
+            results[name] |= {"tau": (new_tokens - len(prompt_ids)) / forwards,
+                              "decode_ms_per_forward": 1e3 * decode_s / forwards}
+    hf_rate = results["hf_generate"]["tokens_per_s"]
+    for r in results.values():
+        r["speedup_vs_hf"] = r["tokens_per_s"] / hf_rate
+    ar = results["ours_ar"]
+    for name, r in results.items():
+        r["speedup_vs_ours_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        r["same_tokens_as_ours_ar"] = outputs[name] == outputs["ours_ar"]
+
+    bandwidth = copy_bandwidth()
+    floor_ms = 1e3 * weight_bytes_per_token(target) / bandwidth
+    report = {
+        "target": str(target_dir), "drafter": drafter_spec, "dtype": str(dtype).removeprefix("torch."), "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "device": device_name(),
+        "torch_threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_per_token": weight_bytes_per_token(target), "floor_ms_per_token": floor_ms,
+        "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results}
+    if print_table:
+        print_report(report)
+    return report
+
+
+def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    if chat_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams, stop_ids: tuple[int, ...],
+                gen: torch.Generator) -> list[int]:
+    torch.manual_seed(int(torch.randint(2**31, (), generator=gen)))  # HF samples from the global generator
+    sampling = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature,
+                                                            "top_k": params.top_k, "top_p": params.top_p}
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
+                          pad_token_id=stop_ids[0] if stop_ids else None, **sampling)
+    return out[0, len(ids):].tolist()
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu: {cpu}"
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['target']} ({report['dtype']}, {report['prompts']} prompts, "
+                        f"{report['max_new_tokens']} new tokens, T={report['temperature']})")
+    for col in ("method", "tokens", "seconds", "tok/s", "vs HF", "vs our AR", "tau", "ms/forward", "= our AR"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for name, r in report["methods"].items():
+        table.add_row(name, str(r["new_tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup_vs_hf']:.2f}x", f"{r['speedup_vs_ours_ar']:.2f}x", f"{r.get('tau', 1.0):.2f}",
+                      f"{r['decode_ms_per_forward']:.1f}" if "decode_ms_per_forward" in r else "-",
+                      "yes" if r["same_tokens_as_ours_ar"] else "no")
+    console = Console()
+    console.print(table)
+    console.print(f"{report['device']}, {report['torch_threads']} torch threads; copy bandwidth "
+                  f"{report['copy_bandwidth_gb_s']:.1f} GB/s; floor {report['floor_ms_per_token']:.1f} ms/token "
+                  f"({report['weight_bytes_per_token'] / 1e6:.0f} MB); our AR decode at "
+                  f"{100 * report['ours_ar_fraction_of_floor']:.0f}% of the floor")

@@ -1,0 +1,54 @@
+"""The interface between the engine and every drafter (n-gram, LM, Medusa, EAGLE)."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftBudget:
+    depth: int  # longest root-to-leaf path
+    width: int = 1  # most children per node
+    nodes: int = 0  # most nodes in the tree; 0 -> depth * width
+
+    def __post_init__(self):
+        for name in ("depth", "width"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DraftBudget: {name}={v!r}, expected an int >= 1")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 0:
+            raise ValueError(f"DraftBudget: nodes={self.nodes!r}, expected an int >= 0 (0 = depth * width)")
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes or self.depth * self.width
+
+
+class Drafter(abc.ABC):
+    """Proposes draft trees below the root, the last committed token (not yet in the target KV cache).
+
+    Sequence bookkeeping: after reset(x_0..x_n, f_0..f_{n-1}) the root is x_n; commit(tokens, features) appends
+    the accepted path plus the target's next token, and the features of the rows that produced them (old root
+    and accepted nodes), so len(features) == len(tokens) - 1 holds over the whole sequence.
+    """
+
+    vocab_size: int
+    needs_features: bool = False  # True: the engine passes target last hidden states (after the final norm)
+
+    @abc.abstractmethod
+    def reset(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Start a new sequence: tokens [n+1] long, features [n, H] or None."""
+
+    @abc.abstractmethod
+    def propose(self, budget: DraftBudget, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """A tree within the budget. Siblings must be listed in the order they were drawn (draw_children)."""
+
+    @abc.abstractmethod
+    def commit(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Append newly committed tokens [m] and their features [m, H] (or None)."""

@@ -1,0 +1,228 @@
+"""Speculative decoding engine: draft a tree, verify it in one target forward, keep the accepted path.
+
+Without a drafter every step is a one-token tree-less verify, i.e. plain autoregressive decoding through the
+same model, cache and verifier -- the baseline speculative decoding is measured against. Greedy output is
+token-for-token that of plain decoding; sampled output has the target's distribution (runtime.verify).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.drafter import DraftBudget, Drafter
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+from runtime.verify import verify
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_seq_len: int = 2048  # target KV cache length: prompt + new tokens must fit
+    budget: DraftBudget = field(default_factory=lambda: DraftBudget(depth=5))
+    adaptive: bool = True  # adapt the draft depth to recent acceptance and fall back when drafting does not pay
+    min_depth: int = 1
+    ema_decay: float = 0.7  # weight of the past in the moving average of accepted tokens per step
+    warmup_steps: int = 8  # speculative steps before the fallback rule may fire
+    fallback_tau: float = 1.3  # below this average of tokens per target forward, decode plainly
+
+    def __post_init__(self):
+        if not isinstance(self.budget, DraftBudget):
+            raise ValueError(f"EngineConfig: budget={self.budget!r}, expected a DraftBudget")
+        if self.max_seq_len < 2:
+            raise ValueError(f"EngineConfig: max_seq_len={self.max_seq_len}, expected >= 2")
+        if not 1 <= self.min_depth <= self.budget.depth:
+            raise ValueError(f"EngineConfig: min_depth={self.min_depth}, expected 1..budget.depth={self.budget.depth}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"EngineConfig: ema_decay={self.ema_decay}, expected 0 <= ema_decay < 1")
+        if self.warmup_steps < 0 or self.fallback_tau < 0:
+            raise ValueError(f"EngineConfig: warmup_steps={self.warmup_steps} and fallback_tau={self.fallback_tau} "
+                             "must be >= 0")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    prompt_tokens: int
+    new_tokens: int
+    target_forwards: int  # decode/verify forwards after the prefill
+    tau: float  # tokens committed per target forward (1.0 for plain decoding)
+    # acceptance_by_depth[d]: P(the node at depth d+1 is accepted | the path reached depth d and the tree
+    # offered a node at depth d+1); the per-position acceptance rate of the speculative steps
+    acceptance_by_depth: list[float]
+    draft_nodes: int  # nodes proposed in total
+    prefill_s: float
+    draft_s: float  # drafter propose + commit
+    verify_s: float  # target forward over root + tree, and verification
+    rollback_s: float  # compacting the target KV cache to the accepted path
+    rollback_share: float  # rollback_s / total_s
+    total_s: float
+    tokens_per_s: float  # new tokens / total_s (prefill included)
+    fell_back: bool
+    fallback_step: int | None  # target forward at which speculation stopped
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]  # new tokens only; ends at the first stop id (included) or after max_new_tokens
+    metrics: Metrics
+
+
+class Engine:
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig()):
+        if cfg.max_seq_len > target.max_seq_len:
+            raise ValueError(f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the target's max_seq_len "
+                             f"{target.max_seq_len} (load the target with a larger max_seq_len)")
+        vocab = target.config.vocab_size
+        if drafter is not None and drafter.vocab_size != vocab:
+            raise ValueError(f"drafter vocab_size {drafter.vocab_size} != target vocab_size {vocab}: a drafter "
+                             "must propose tokens of the target's vocabulary")
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                 generator: torch.Generator | None = None, stop_ids: tuple[int, ...] = ()) -> Generation:
+        self._check_request(prompt_ids, max_new_tokens)
+        cfg, target, cache, drafter = self.cfg, self.target, self.cache, self.drafter
+        device, stop = target.device, set(stop_ids)
+        clock = _Clock(device)
+        cache.reset()
+
+        n = len(prompt_ids)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        logits, hidden = target(prompt[None], cache, torch.arange(n, device=device)[None], last_logits_only=True)
+        cache.advance(n)
+        root = verify(DraftTree.empty(device), logits[0], params, generator).next_token
+        out = [root]
+        speculating = drafter is not None
+        if speculating:
+            drafter.reset(torch.tensor(prompt_ids + [root], device=device), self._features(hidden[0]))
+        prefill_s = clock.lap()
+
+        stats = _Stats(cfg)
+        stopped = root in stop
+        while len(out) < max_new_tokens and not stopped:
+            room = min(cfg.max_seq_len - int(cache.lengths[0]) - 1, max_new_tokens - len(out) - 1)
+            tree = DraftTree.empty(device)
+            if speculating and room > 0:
+                tree = drafter.propose(stats.budget(room), params, generator)
+                if len(tree) > room:
+                    raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
+                stats.draft_s += clock.lap()
+
+            length = cache.lengths[0]
+            tokens = torch.cat([torch.tensor([root], device=device), tree.tokens])[None]
+            positions = length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths()])[None]
+            logits, hidden = target(tokens, cache, positions, tree.ancestor_mask() if len(tree) else None)
+            verdict = verify(tree, logits[0], params, generator)
+            stats.verify_s += clock.lap()
+
+            rows = [0] + [i + 1 for i in verdict.accepted]  # the root's and the accepted nodes' slots
+            cache.compact(torch.tensor(rows, device=device))
+            stats.rollback_s += clock.lap()
+
+            committed = tree.tokens[verdict.accepted].tolist() + [verdict.next_token]
+            if speculating:
+                drafter.commit(torch.tensor(committed, device=device), self._features(hidden[0, rows]))
+                stats.draft_s += clock.lap()
+            stats.record(tree, verdict.accepted)
+            if speculating and stats.should_fall_back():
+                speculating = False
+            out += committed
+            root = out[-1]
+            stopped = not stop.isdisjoint(committed)
+
+        first_stop = next((i for i, t in enumerate(out) if t in stop), None)
+        out = out[: max_new_tokens if first_stop is None else min(first_stop + 1, max_new_tokens)]
+        return Generation(out, stats.metrics(n, len(out), prefill_s, clock.total()))
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return hidden if self.drafter is not None and self.drafter.needs_features else None
+
+    def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: at least one prompt token is needed")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_ids contains {bad[:3]}, outside the target vocabulary 0..{vocab - 1}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}, expected an int >= 1")
+        # every token but the last generated one passes through the cache
+        if len(prompt_ids) + max_new_tokens - 1 > self.cfg.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} does not fit the "
+                             f"KV cache of max_seq_len={self.cfg.max_seq_len}")
+
+
+class _Clock:
+    """Wall-clock laps; waits for the device so a lap is charged to the phase that queued the work."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.start = self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        self.sync()
+        now = time.perf_counter()
+        lap, self.last = now - self.last, now
+        return lap
+
+    def total(self) -> float:
+        self.sync()
+        return time.perf_counter() - self.start
+
+
+class _Stats:
+    """Counters of one generation, and the adaptive draft depth / fallback rule that reads them."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.forwards = self.spec_steps = self.draft_nodes = 0
+        self.draft_s = self.verify_s = self.rollback_s = 0.0
+        self.offered = [0] * cfg.budget.depth  # steps whose path reached depth d with a child at depth d+1
+        self.taken = [0] * cfg.budget.depth  # of those, steps that accepted a node at depth d+1
+        self.ema_accepted = float(cfg.budget.depth)  # optimistic start: draft fully until evidence says not to
+        self.fallback_step: int | None = None
+
+    def budget(self, room: int) -> DraftBudget:
+        b, cfg = self.cfg.budget, self.cfg
+        depth = b.depth
+        if cfg.adaptive:  # one node beyond what recent steps accepted: room to grow, little wasted work
+            depth = max(cfg.min_depth, min(b.depth, math.ceil(self.ema_accepted) + 1))
+        depth = min(depth, room)
+        nodes = min(room, max(depth, b.max_nodes * depth // b.depth))
+        return DraftBudget(depth=depth, width=b.width, nodes=nodes)
+
+    def record(self, tree: DraftTree, accepted: list[int]) -> None:
+        self.forwards += 1
+        if not len(tree):
+            return
+        self.spec_steps += 1
+        self.draft_nodes += len(tree)
+        children = tree.children()
+        path_rows = [0] + [i + 1 for i in accepted]
+        for d, row in enumerate(path_rows[: len(self.offered)]):
+            if children[row]:  # the tree offered a node at depth d+1 below the accepted path
+                self.offered[d] += 1
+                self.taken[d] += d < len(accepted)
+        self.ema_accepted = self.cfg.ema_decay * self.ema_accepted + (1 - self.cfg.ema_decay) * len(accepted)
+
+    def should_fall_back(self) -> bool:
+        cfg = self.cfg
+        if cfg.adaptive and self.spec_steps >= cfg.warmup_steps and 1 + self.ema_accepted < cfg.fallback_tau:
+            self.fallback_step = self.forwards
+            return True
+        return False
+
+    def metrics(self, prompt_tokens: int, new_tokens: int, prefill_s: float, total_s: float) -> Metrics:
+        return Metrics(
+            prompt_tokens=prompt_tokens, new_tokens=new_tokens, target_forwards=self.forwards,
+            tau=(new_tokens - 1) / self.forwards if self.forwards else 1.0,
+            acceptance_by_depth=[t / o for t, o in zip(self.taken, self.offered) if o],
+            draft_nodes=self.draft_nodes, prefill_s=prefill_s, draft_s=self.draft_s, verify_s=self.verify_s,
+            rollback_s=self.rollback_s, rollback_share=self.rollback_s / total_s, total_s=total_s,
+            tokens_per_s=new_tokens / total_s,
+            fell_back=self.fallback_step is not None, fallback_step=self.fallback_step)

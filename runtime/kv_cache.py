@@ -1,0 +1,74 @@
+"""Static, pre-allocated KV cache with per-sequence lengths.
+
+Slot s of sequence b holds the token at position s: everything below `lengths[b]` is committed. A forward
+writes its T new tokens at slots lengths[b]..lengths[b]+T-1 without advancing; the caller then either
+`advance`s (plain decoding, prefill) or `compact`s (speculative verify: only the accepted path survives).
+Target and KV-holding drafters (EAGLE, LM) share this class.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if max_len < 1 or batch < 1:
+            raise ValueError(f"KVCache: max_len={max_len} and batch={batch} must both be >= 1")
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch, device=device)[:, None]  # batch index for advanced indexing
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+    def slots(self, n_new: int) -> torch.Tensor:
+        """[B, n_new] slots the next forward writes; a clear error when they do not fit."""
+        longest = int(self.lengths.max())
+        if longest + n_new > self.max_len:
+            raise ValueError(f"KVCache: {n_new} new tokens after {longest} cached ones exceed the cache "
+                             f"length {self.max_len} (raise max_seq_len)")
+        return self.lengths[:, None] + torch.arange(n_new, device=self.lengths.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              n_live: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, kv_heads, head_dim] at `slots` [B, T]; return the live keys and values
+        [B, kv_heads, n_live, head_dim] (slicing to the live length is what keeps short contexts cheap)."""
+        self.k[layer][self.rows, :, slots] = k
+        self.v[layer][self.rows, :, slots] = v
+        return self.k[layer, :, :, :n_live], self.v[layer, :, :, :n_live]
+
+    def advance(self, n: int | torch.Tensor) -> None:
+        """Commit the first n written slots (an int for every sequence, or a [B] tensor)."""
+        self.lengths += n
+        if int(self.lengths.max()) > self.max_len:
+            raise ValueError(f"KVCache: advancing by {n} overflows the cache length {self.max_len}")
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the written slots at offsets `keep` [k] (ascending, relative to each sequence's length):
+        they move, in place and in every layer, to offsets 0..k-1; lengths advance by k."""
+        keep = keep.to(device=self.lengths.device, dtype=torch.long)
+        n = keep.numel()
+        if n and (bool((keep[1:] <= keep[:-1]).any()) or int(keep[0]) < 0):
+            raise ValueError(f"KVCache.compact: keep offsets must be ascending and >= 0, got {keep.tolist()}")
+        if n and int(self.lengths.max()) + int(keep[-1]) >= self.max_len:
+            raise ValueError(f"KVCache.compact: offset {int(keep[-1])} lies beyond the cache length {self.max_len}")
+        dst = torch.arange(n, device=keep.device)
+        moved = keep != dst  # a chain's accepted prefix is already in place: nothing to copy
+        if bool(moved.any()):
+            src_slots = self.lengths[:, None] + keep[moved]
+            dst_slots = self.lengths[:, None] + dst[moved]
+            for cache in (self.k, self.v):
+                # advanced indexing on the right makes a copy first, so overlapping moves are safe
+                cache[:, self.rows, :, dst_slots] = cache[:, self.rows, :, src_slots]
+        self.lengths += n

@@ -1,0 +1,361 @@
+"""Llama-family decoder (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with qk-norm, Mistral) over a static KV cache.
+
+One forward serves prefill, decode and tree verification: T new tokens per sequence are written at
+slots cache.lengths[b] + t, and each attends to the committed prefix plus the new tokens that `tree_mask`
+allows (causal when None). Weights load from an HF safetensors directory; q/k/v and gate/up are fused at load
+so a decode step runs two matmuls per block instead of five.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.kv_cache import KVCache
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+
+    @staticmethod
+    def from_hf(hf: dict) -> "ModelConfig":
+        arch = hf.get("model_type")
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"model_type {arch!r} is not supported; expected one of {ARCHITECTURES}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
+        if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling
+        rope = dict(hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}),
+                                                   "rope_theta": hf.get("rope_theta", 10000.0)})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_type {kind!r} is not supported; expected default, linear or llama3")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported; expected 1.0")
+        scaling = RopeScaling(kind, float(rope.get("factor", 1.0)), float(rope.get("low_freq_factor", 1.0)),
+                              float(rope.get("high_freq_factor", 4.0)),
+                              int(rope.get("original_max_position_embeddings", 8192)))
+        n_heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            arch=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            intermediate_size=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
+            rope_theta=float(rope["rope_theta"]), max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or arch == "qwen2",  # qwen2 always has q/k/v biases, never an o bias
+            o_bias=attention_bias and arch != "qwen2", mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3", sliding_window=hf.get("sliding_window") if arch == "mistral" else None,
+            rope_scaling=scaling)
+
+
+@dataclass(frozen=True)
+class Taps:
+    """Extra outputs for drafter training and calibration; the plain forward captures nothing."""
+    hidden_layers: tuple[int, ...] = ()  # residual stream after these blocks (0-based), [B, T, dim]
+    attention_layers: tuple[int, ...] = ()  # softmax attention weights of these blocks, [B, heads, T, keys]
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor | None  # [B, T, V] or [B, 1, V] (last_logits_only) or None (no_logits)
+    hidden: Tensor  # [B, T, dim] after the final norm
+    layer_hidden: dict[int, Tensor] = field(default_factory=dict)
+    attention: dict[int, Tensor] = field(default_factory=dict)
+
+
+class Linear(nn.Module):
+    """nn.Linear's interface (`weight` [out, in], `bias`) over storage `weight_t` [in, out]: on CPU the one-token
+    matrix-vector product of a decode step streams this layout about 1.5x faster than [out, in]."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
+        super().__init__()
+        bound = 1 / math.sqrt(d_in)  # nn.Linear's default init, for modules that are trained from scratch
+        self.weight_t = nn.Parameter(torch.empty(d_in, d_out).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(d_out).uniform_(-bound, bound)) if bias else None
+
+    @property
+    def weight(self) -> Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, fp32 accumulation
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[Tensor, Tensor]:
+    """cos, signed sin [max_len, head_dim], half-split layout as HF checkpoints expect. The sin table's first half
+    is negated so that rotating is a roll: x * cos + roll(x, D/2) * sin. Computed in fp32 exactly as HF does
+    (same rounding of the angles at long positions)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s.kind == "linear":
+        inv_freq = inv_freq / s.factor
+    elif s.kind == "llama3":  # long wavelengths slowed by `factor`, short kept, smooth ramp between
+        wavelen = 2 * math.pi / inv_freq
+        low_wl, high_wl = s.original_max_position / s.low_freq_factor, s.original_max_position / s.high_freq_factor
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wl, inv_freq / s.factor, torch.where(wavelen < high_wl, inv_freq, ramped))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return torch.cat([angles, angles], dim=-1).cos(), torch.cat([-angles.sin(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, D]; cos, sin [B, T, 1, D] from rope_tables."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def attention_mask(lengths: Tensor, positions: Tensor, n_live: int, tree_mask: Tensor | None,
+                   window: int | None = None) -> Tensor | None:
+    """[B, 1, T, n_live] bool: the committed prefix (slots < lengths[b]), plus the new tokens `tree_mask` [T, T]
+    allows (causal when None), minus keys a sliding `window` excludes. None when one decode token may see every
+    live key (no mask to build or apply)."""
+    B, T = positions.shape
+    if B == 1 and T == 1 and (window is None or n_live <= window):
+        return None
+    device = positions.device
+    if tree_mask is None:
+        tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    elif tree_mask.shape != (T, T):
+        raise ValueError(f"tree_mask has shape {tuple(tree_mask.shape)}, expected ({T}, {T})")
+    key = torch.arange(n_live, device=device)
+    offset = key[None, :] - lengths[:, None]  # [B, n_live]: index among the new tokens, < 0 for the prefix
+    is_new = (offset >= 0) & (offset < T)
+    new_visible = tree_mask[:, offset.clamp(0, T - 1)].permute(1, 0, 2)  # [B, T, n_live]
+    mask = (offset < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
+    if window is not None:  # keys keep their slot as position; queries use their (tree) position
+        mask &= positions[:, :, None] - key[None, None, :] < window
+    return mask[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Tensor | None,
+                cos: Tensor, sin: Tensor, want_weights: bool) -> tuple[Tensor, Tensor | None]:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
+        qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
+        keys, values = cache.write(layer, slots, k, v, n_live)
+        # grouped-query attention without repeating KV: fold each group's query heads into the row axis
+        G = H // Hkv
+        qg = q.transpose(1, 2).reshape(B, Hkv, G * T, D)
+        mask_g = None if mask is None else mask.repeat(1, 1, G, 1)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask_g)
+        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+        weights = None
+        if want_weights:
+            scores = qg @ keys.transpose(-1, -2) / math.sqrt(D)
+            if mask_g is not None:
+                scores = scores.masked_fill(~mask_g, float("-inf"))
+            weights = scores.softmax(-1).view(B, H, T, n_live)
+        return self.wo(out), weights
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate and up, fused
+        self.w2 = Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+        super().__init__()
+        self.config, self.max_seq_len = cfg, max_seq_len
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = Linear(cfg.dim, cfg.vocab_size)
+        # tied: the lm_head doubles as the embedding table; its `weight` [V, dim] is what F.embedding reads
+        self.tok_embeddings = self.output if cfg.tie_embeddings else nn.Embedding(cfg.vocab_size, cfg.dim)
+        cos, sin = rope_tables(cfg, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, self.tok_embeddings.weight)
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        max_len = max_len or self.max_seq_len
+        if max_len > self.max_seq_len:
+            raise ValueError(f"cache length {max_len} exceeds the model's max_seq_len {self.max_seq_len}")
+        c = self.config
+        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None,
+                *, last_logits_only: bool = False) -> tuple[Tensor, Tensor]:
+        """tokens, positions [B, T] -> (logits [B, T, V] or [B, 1, V], hidden [B, T, dim]). Writes KV at
+        cache.lengths + t but does not advance: the caller decides what is committed."""
+        out = self.run(tokens, cache, positions, tree_mask, last_logits_only=last_logits_only)
+        return out.logits, out.hidden
+
+    def run(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None, *,
+            taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False) -> ForwardOutput:
+        B, T = tokens.shape
+        if cache.batch != B:
+            raise ValueError(f"tokens have batch {B} but the cache was built for batch {cache.batch}")
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is beyond max_seq_len {self.max_seq_len}")
+        slots = cache.slots(T)
+        n_live = int(cache.lengths.max()) + T
+        mask = attention_mask(cache.lengths, positions, n_live, tree_mask, self.config.sliding_window)
+        cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
+        x = self.embed(tokens)
+        out = ForwardOutput(None, x)
+        for i, block in enumerate(self.layers):
+            h, weights = block.attention(block.attention_norm(x), i, cache, slots, n_live, mask, cos, sin,
+                                         i in taps.attention_layers)
+            x = x + h
+            x = x + block.feed_forward(block.ffn_norm(x))
+            if weights is not None:
+                out.attention[i] = weights
+            if i in taps.hidden_layers:
+                out.layer_hidden[i] = x
+        out.hidden = self.norm(x)
+        if not no_logits:
+            out.logits = self.output(out.hidden[:, -1:] if last_logits_only else out.hidden)
+        return out
+
+    @staticmethod
+    def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
+                        device: torch.device | str = "cpu") -> "Transformer":
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json (expected an HF model directory)")
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
+        with torch.device("meta"):
+            model = Transformer(cfg, max_seq_len)
+        model.load_state_dict(load_hf_state_dict(path, cfg), assign=True)
+        model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)  # computed in fp32, cast with the weights
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_hf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights")
+    hf: dict[str, Tensor] = {}
+    for f in files:
+        hf.update(load_file(str(f)))
+    hf = {k.removeprefix("model."): v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+
+    def take(name: str) -> Tensor:
+        if name not in hf:
+            raise ValueError(f"{path}: weight {name!r} is missing for a {cfg.arch} model")
+        return hf.pop(name)
+
+    def linear(*names: str) -> Tensor:  # HF [out, in] (fused along out) -> ours [in, out]
+        return torch.cat([take(n) for n in names]).t().contiguous()
+
+    sd = {"norm.weight": take("norm.weight")}
+    if cfg.tie_embeddings:
+        hf.pop("lm_head.weight", None)  # some tied checkpoints store a copy
+        sd["output.weight_t"] = sd["tok_embeddings.weight_t"] = linear("embed_tokens.weight")
+    else:
+        sd["tok_embeddings.weight"] = take("embed_tokens.weight")
+        sd["output.weight_t"] = linear("lm_head.weight")
+    for i in range(cfg.n_layers):
+        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+        sd[p + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        sd[p + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        sd[p + "attention.wqkv.weight_t"] = linear(*(a + f"{n}_proj.weight" for n in "qkv"))
+        if cfg.qkv_bias:
+            sd[p + "attention.wqkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+        sd[p + "attention.wo.weight_t"] = linear(a + "o_proj.weight")
+        if cfg.o_bias:
+            sd[p + "attention.wo.bias"] = take(a + "o_proj.bias")
+        if cfg.qk_norm:
+            sd[p + "attention.q_norm.weight"] = take(a + "q_norm.weight")
+            sd[p + "attention.k_norm.weight"] = take(a + "k_norm.weight")
+        m = p + "mlp."
+        sd[p + "feed_forward.w13.weight_t"] = linear(m + "gate_proj.weight", m + "up_proj.weight")
+        sd[p + "feed_forward.w2.weight_t"] = linear(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            sd[p + "feed_forward.w13.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            sd[p + "feed_forward.w2.bias"] = take(m + "down_proj.bias")
+    if hf:
+        raise ValueError(f"{path}: unexpected weights for a {cfg.arch} model: {sorted(hf)[:5]}")
+    return sd

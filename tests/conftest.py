@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random HF checkpoints of each supported family, and the real SmolLM2 (slow tests)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def save_tiny_hf_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a randomly initialised HF `arch` model (config.json + model.safetensors) to `out`."""
+    import transformers as T
+
+    config_class = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
+                    "mistral": T.MistralConfig}[arch]
+    cfg = config_class(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():  # the default init leaves biases and norms trivial; perturb them so they are tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(arch="llama", **config_overrides) -> HF directory (cached per arguments)."""
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = json.dumps([arch, overrides], sort_keys=True)
+        if key not in made:
+            made[key] = save_tiny_hf_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from pipeline.sources import resolve_target
+
+    return resolve_target("smollm2-135m-instruct")

@@ -1,0 +1,223 @@
+import json
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from runtime.bench import copy_bandwidth, default_bench_prompts, run_bench, weight_bytes_per_token
+from runtime.drafter import DraftBudget, Drafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.ngram import NgramDrafter
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+
+PROMPT = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9]
+
+
+class NoisyOracle(Drafter):
+    """Knows the target's greedy continuation and proposes trees mixing it with wrong tokens, so steps accept
+    some nodes and reject others. Checks the engine's token/feature bookkeeping as it goes."""
+
+    needs_features = True
+
+    def __init__(self, vocab_size: int, reference: list[int], p_right: float, width: int, seed: int):
+        self.vocab_size, self.reference, self.p_right, self.width = vocab_size, reference, p_right, width
+        self.rng = random.Random(seed)
+        self.tokens: list[int] = []
+        self.features: list[torch.Tensor] = []
+
+    def reset(self, tokens, features):
+        assert features.shape[0] == tokens.numel() - 1
+        self.tokens, self.features = tokens.tolist(), [features]
+
+    def commit(self, tokens, features):
+        assert features.shape[0] == tokens.numel()
+        self.tokens += tokens.tolist()
+        self.features.append(features)
+
+    def propose(self, budget, params, generator=None):
+        tokens, parents = [], []
+        parent, on_track = -1, True
+        for depth in range(budget.depth):
+            pos = len(self.tokens) + depth
+            right = self.reference[pos] if on_track and pos < len(self.reference) else None
+            wrong = [t for t in self.rng.sample(range(self.vocab_size), self.width + 1) if t != right]
+            kids = wrong[:self.width]
+            if right is not None and self.rng.random() < self.p_right:
+                kids[self.rng.randrange(self.width)] = right
+            kids = kids[:budget.max_nodes - len(tokens)]
+            if not kids:
+                break
+            first = len(tokens)
+            tokens += kids
+            parents += [parent] * len(kids)
+            on_track = right in kids
+            parent = first + (kids.index(right) if on_track else 0)
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+
+
+@torch.no_grad()
+def greedy_reference(target, prompt, n):
+    """Plain greedy decoding by full forwards, no cache: the oracle the engine must reproduce."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+        seq.append(int(logits[0, -1].argmax()))
+    return seq
+
+
+def test_autoregressive_engine_is_greedy_decoding(target):
+    want = greedy_reference(target, PROMPT, 30)[len(PROMPT):]
+    gen = Engine(target, None, EngineConfig(max_seq_len=64)).generate(PROMPT, 30)
+    assert gen.tokens == want
+    m = gen.metrics
+    assert (m.new_tokens, m.target_forwards, m.tau, m.fell_back, m.draft_nodes) == (30, 29, 1.0, False, 0)
+
+
+def test_ngram_speculation_is_lossless(target):
+    want = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 60).tokens
+    for budget in (DraftBudget(depth=4), DraftBudget(depth=3, width=2, nodes=5)):
+        drafter = NgramDrafter(target.config.vocab_size)
+        gen = Engine(target, drafter, EngineConfig(max_seq_len=128, budget=budget, adaptive=False)).generate(PROMPT, 60)
+        assert gen.tokens == want
+        assert gen.metrics.target_forwards < 59  # random tiny models repeat themselves: n-grams get accepted
+
+
+@pytest.mark.parametrize("width,adaptive", [(1, False), (3, False), (2, True)], ids=["chain", "tree", "adaptive"])
+def test_noisy_oracle_speculation_is_lossless(target, width, adaptive):
+    n_new = 50
+    reference = greedy_reference(target, PROMPT, n_new + 8)
+    drafter = NoisyOracle(target.config.vocab_size, reference, p_right=0.7, width=width, seed=width)
+    cfg = EngineConfig(max_seq_len=80, budget=DraftBudget(depth=4, width=width), adaptive=adaptive)
+    gen = Engine(target, drafter, cfg).generate(PROMPT, n_new)
+    assert gen.tokens == reference[len(PROMPT):len(PROMPT) + n_new]
+    m = gen.metrics
+    assert 1.0 < m.tau < 5.0 and m.target_forwards < n_new - 1
+    assert 0.0 < m.acceptance_by_depth[0] < 1.0  # both accepts and rejects happened
+    assert not m.fell_back
+
+    # the features handed to the drafter are the target's hidden states of the committed sequence, in order
+    features = torch.cat(drafter.features)
+    seq = torch.tensor(drafter.tokens[:-1])
+    with torch.no_grad():
+        _, hidden = target(seq[None], target.new_cache(), torch.arange(len(seq))[None])
+    assert features.shape[0] == len(drafter.tokens) - 1
+    torch.testing.assert_close(features, hidden[0], atol=2e-5, rtol=1e-4)
+
+
+def test_useless_drafter_falls_back_to_plain_decoding(target):
+    want = Engine(target, None, EngineConfig(max_seq_len=80)).generate(PROMPT, 40).tokens
+    drafter = NoisyOracle(target.config.vocab_size, [], p_right=0.0, width=1, seed=0)
+    cfg = EngineConfig(max_seq_len=80, budget=DraftBudget(depth=3), warmup_steps=4, fallback_tau=1.5)
+    gen = Engine(target, drafter, cfg).generate(PROMPT, 40)
+    assert gen.tokens == want
+    m = gen.metrics
+    assert m.fell_back and m.fallback_step is not None and 4 <= m.fallback_step < 39
+    assert m.draft_nodes <= 3 * m.fallback_step and m.acceptance_by_depth[0] == 0.0
+
+
+def test_adaptive_depth_follows_acceptance(target):
+    reference = greedy_reference(target, PROMPT, 48)
+
+    def proposed_depths(p_right: float) -> list[int]:
+        drafter = NoisyOracle(target.config.vocab_size, reference, p_right=p_right, width=1, seed=0)
+        depths, propose = [], drafter.propose
+        drafter.propose = lambda budget, params, gen=None: depths.append(budget.depth) or propose(budget, params, gen)
+        cfg = EngineConfig(max_seq_len=80, budget=DraftBudget(depth=6), fallback_tau=0.0)
+        assert Engine(target, drafter, cfg).generate(PROMPT, 40).tokens == reference[len(PROMPT):len(PROMPT) + 40]
+        return depths
+
+    assert proposed_depths(1.0)[:4] == [6, 6, 6, 6]  # a perfect drafter keeps the full depth
+    poor = proposed_depths(0.3)
+    assert poor[0] == 6 and min(poor) <= 2  # a poor one drafts shallower
+
+
+def test_stop_ids_end_generation(target):
+    full = Engine(target, None, EngineConfig(max_seq_len=64)).generate(PROMPT, 30).tokens
+    stop = full[7]
+    first = full.index(stop)
+    drafter = NgramDrafter(target.config.vocab_size)
+    gen = Engine(target, drafter, EngineConfig(max_seq_len=64)).generate(PROMPT, 30, stop_ids=(stop,))
+    assert gen.tokens == full[:first + 1]
+
+
+def test_sampling_speculation_keeps_the_target_distribution(target):
+    """First three tokens under top-k=2 sampling: speculative and exact target probabilities agree (chi-square)."""
+    params = SamplingParams(temperature=1.0, top_k=2)
+    prompt = PROMPT[:6]
+    reference = greedy_reference(target, prompt, 3)
+    drafter = NoisyOracle(target.config.vocab_size, reference, p_right=0.8, width=2, seed=1)
+    engine = Engine(target, drafter, EngineConfig(max_seq_len=16, budget=DraftBudget(depth=2, width=2),
+                                                    adaptive=False))
+    gen = torch.Generator().manual_seed(0)
+    n = 800
+    counts = Counter(tuple(engine.generate(prompt, 3, params, gen).tokens) for _ in range(n))
+
+    from runtime.sampling import warp
+
+    def probs(seq):  # exact target probabilities of the next token after seq
+        with torch.no_grad():
+            logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+        return warp(logits[0, -1], params)
+
+    exact = {}
+    p1 = probs(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs(prompt + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    dof = len(exact) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof)  # about 5 standard deviations of a chi-square
+
+
+def test_bad_requests_fail_before_generating(target):
+    engine = Engine(target, None, EngineConfig(max_seq_len=32))
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        engine.generate([], 5)
+    with pytest.raises(ValueError, match="does not fit the KV cache of max_seq_len=32"):
+        engine.generate(list(range(30)), 5)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        engine.generate(PROMPT, 0)
+    with pytest.raises(ValueError, match=r"contains \[96\]"):
+        engine.generate([1, 96], 3)
+    with pytest.raises(ValueError, match="drafter vocab_size 50 != target vocab_size 96"):
+        Engine(target, NgramDrafter(50), EngineConfig(max_seq_len=32))
+    with pytest.raises(ValueError, match="depth=0"):
+        EngineConfig(budget=DraftBudget(depth=0))
+    with pytest.raises(ValueError, match="exceeds the target's max_seq_len 128"):
+        Engine(target, None, EngineConfig(max_seq_len=256))
+
+
+def test_weight_bytes_count_a_tied_table_once(tiny_model_dir):
+    import transformers
+
+    for tied in (True, False):
+        path = tiny_model_dir("llama", tie_word_embeddings=tied)
+        n_hf = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
+        streamed = n_hf if tied else n_hf - 96 * 64  # an untied input embedding reads one row per token
+        assert weight_bytes_per_token(Transformer.from_pretrained(path, max_seq_len=16)) == 4 * streamed
+    assert copy_bandwidth(n_bytes=1 << 20, repeats=2) > 0
+
+
+@pytest.mark.slow
+def test_bench_on_smollm2(smollm2_dir):
+    report = run_bench(smollm2_dir, "ngram", default_bench_prompts()[:1], max_new_tokens=12, print_table=False)
+    methods = report["methods"]
+    assert set(methods) == {"hf_generate", "ours_ar", "ours_spec"}
+    assert all(m["same_tokens_as_ours_ar"] for m in methods.values())  # greedy fp32: HF, AR and speculative agree
+    assert methods["ours_ar"]["new_tokens"] == 12 and methods["ours_ar"]["tau"] == 1.0
+    assert report["weight_bytes_per_token"] == 4 * 134_515_008  # SmolLM2-135M, tied table counted once
+    assert 0 < report["ours_ar_fraction_of_floor"] and report["torch_threads"] >= 1
+    json.dumps(report)

@@ -1,0 +1,211 @@
+import json
+
+import pytest
+import torch
+
+from runtime.kv_cache import KVCache
+from runtime.model import ModelConfig, Taps, Transformer
+from runtime.tree import DraftTree
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+FAMILIES = [("llama", dict(tie_word_embeddings=True)), ("llama", dict(attention_bias=True, mlp_bias=True)),
+            ("llama", dict(rope_parameters=LLAMA3_ROPE)),
+            ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=2.0))),
+            ("qwen2", {}), ("qwen3", dict(head_dim=32)), ("mistral", dict(sliding_window=6))]
+
+
+def hf_model(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def positions_for(cache: KVCache, t: int) -> torch.Tensor:
+    return cache.lengths[:, None] + torch.arange(t)
+
+
+@pytest.mark.parametrize("arch,overrides", FAMILIES, ids=lambda x: x if isinstance(x, str) else "-".join(x) or "base")
+@torch.no_grad()
+def test_logits_match_transformers(tiny_model_dir, arch, overrides):
+    path = tiny_model_dir(arch, **overrides)
+    ids = torch.randint(0, 96, (2, 18), generator=torch.Generator().manual_seed(1))
+    ref = hf_model(path)(ids).logits
+    model = Transformer.from_pretrained(path, max_seq_len=64)
+
+    cache = model.new_cache(batch=2)
+    logits, hidden = model(ids, cache, positions_for(cache, 18))
+    torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
+    assert hidden.shape == (2, 18, 64)
+
+    # prefill then one token at a time through the static cache gives the same logits
+    cache = model.new_cache(batch=2)
+    steps = []
+    for chunk in (ids[:, :11],) + tuple(ids[:, t:t + 1] for t in range(11, 18)):
+        steps.append(model(chunk, cache, positions_for(cache, chunk.shape[1]))[0])
+        cache.advance(chunk.shape[1])
+    torch.testing.assert_close(torch.cat(steps, 1), ref, atol=2e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_taps_match_transformers_hidden_states_and_attention(tiny_model_dir):
+    import transformers
+
+    path = tiny_model_dir("qwen3", head_dim=32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    ref = hf.eval()(ids, output_hidden_states=True, output_attentions=True)
+    model = Transformer.from_pretrained(path, max_seq_len=32)
+    cache = model.new_cache()
+    out = model.run(ids, cache, positions_for(cache, 9), taps=Taps(hidden_layers=(0,), attention_layers=(1,)))
+    torch.testing.assert_close(out.layer_hidden[0], ref.hidden_states[1], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.attention[1], ref.attentions[1], atol=2e-6, rtol=1e-4)
+    assert set(out.layer_hidden) == {0} and set(out.attention) == {1}
+    plain = model.run(ids, model.new_cache(), positions_for(cache, 9))
+    assert plain.layer_hidden == {} and plain.attention == {}
+    torch.testing.assert_close(plain.logits, out.logits)
+
+
+@torch.no_grad()
+def test_batch_with_different_lengths_matches_single_sequences(tiny_llama_dir):
+    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 12)]
+    nxt = torch.randint(0, 96, (2, 3), generator=gen)
+
+    cache = model.new_cache(batch=2)
+    padded = torch.zeros(2, 12, dtype=torch.long)
+    for b, p in enumerate(prompts):  # right padding: the pad slots are overwritten by the next forward
+        padded[b, :len(p)] = p
+    model(padded, cache, positions_for(cache, 12))
+    cache.advance(torch.tensor([7, 12]))
+    batched, _ = model(nxt, cache, positions_for(cache, 3))
+
+    for b, p in enumerate(prompts):
+        single = model.new_cache()
+        want, _ = model(torch.cat([p, nxt[b]])[None], single, torch.arange(len(p) + 3)[None])
+        torch.testing.assert_close(batched[b], want[0, -3:], atol=2e-5, rtol=1e-4)
+
+
+def random_tree(n: int, gen: torch.Generator) -> DraftTree:
+    parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(1, n)]
+    return DraftTree(torch.randint(0, 96, (n,), generator=gen), torch.tensor(parents))
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("arch,overrides", [FAMILIES[0], FAMILIES[-1]], ids=["llama", "mistral-window"])
+@torch.no_grad()
+def test_tree_verify_and_compact_equal_plain_decoding(tiny_model_dir, arch, overrides):
+    """Each tree node sees the prefix and its ancestors only; after compacting to one path the cache is the
+    cache of plain decoding along that path."""
+    model = Transformer.from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
+    gen = torch.Generator().manual_seed(4)
+    prefix, root = torch.randint(0, 96, (10,), generator=gen), torch.randint(0, 96, (1,), generator=gen)
+    tree = random_tree(9, gen)
+
+    cache = model.new_cache()
+    model(prefix[None], cache, positions_for(cache, 10))
+    cache.advance(10)
+    tokens = torch.cat([root, tree.tokens])[None]
+    positions = 10 + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
+    tree_logits, tree_hidden = model(tokens, cache, positions, tree.ancestor_mask())
+
+    for node in range(len(tree)):
+        path = path_to(tree, node)
+        seq = torch.cat([prefix, root, tree.tokens[path]])
+        want, want_hidden = model(seq[None], model.new_cache(), torch.arange(len(seq))[None])
+        torch.testing.assert_close(tree_logits[0, node + 1], want[0, -1], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(tree_hidden[0, node + 1], want_hidden[0, -1], atol=2e-5, rtol=1e-4)
+
+    deepest = int(tree.depths().argmax())
+    path = path_to(tree, deepest)
+    cache.compact(torch.tensor([0] + [i + 1 for i in path]))
+    assert int(cache.lengths[0]) == 11 + len(path)
+    nxt = torch.tensor([[5]])
+    after, _ = model(nxt, cache, positions_for(cache, 1))
+    seq = torch.cat([prefix, root, tree.tokens[path], nxt[0]])
+    want, _ = model(seq[None], model.new_cache(), torch.arange(len(seq))[None])
+    torch.testing.assert_close(after[0, -1], want[0, -1], atol=2e-5, rtol=1e-4)
+
+
+def test_kv_cache_compact_moves_slots_in_place():
+    cache = KVCache(n_layers=2, batch=2, n_kv_heads=1, max_len=10, head_dim=1)
+    cache.lengths[:] = torch.tensor([2, 4])
+    cache.k[..., 0] = torch.arange(10.0)  # every slot holds its own index
+    cache.compact(torch.tensor([0, 2, 3]))
+    assert cache.lengths.tolist() == [5, 7]
+    assert cache.k[1, 0, 0, :5, 0].tolist() == [0, 1, 2, 4, 5]
+    assert cache.k[0, 1, 0, :7, 0].tolist() == [0, 1, 2, 3, 4, 6, 7]
+    with pytest.raises(ValueError, match="ascending"):
+        cache.compact(torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="exceed the cache length 10"):
+        cache.slots(4)
+    with pytest.raises(ValueError, match="overflows"):
+        cache.advance(4)
+
+
+def test_prompt_longer_than_cache_is_a_clear_error(tiny_llama_dir):
+    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=16)
+    cache = model.new_cache(max_len=8)
+    with pytest.raises(ValueError, match="9 new tokens after 0 cached ones exceed the cache length 8"):
+        model(torch.zeros(1, 9, dtype=torch.long), cache, torch.arange(9)[None])
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len 16"):
+        model.new_cache(max_len=17)
+
+
+def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path):
+    import transformers
+
+    tied = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=32)
+    assert tied.tok_embeddings is tied.output  # one table, stored once
+    assert sum(p.numel() for p in tied.parameters()) == sum(
+        p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).parameters())
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"))
+    hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded = Transformer.from_pretrained(tmp_path, max_seq_len=32)
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(ids, sharded.new_cache(), ids)[0], hf.eval()(ids).logits,
+                                   atol=2e-5, rtol=1e-4)
+        bf16 = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16, max_seq_len=32)
+        logits = bf16(ids, bf16.new_cache(), ids)[0]
+    assert bf16.rope_cos.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
+    assert (logits.float() - hf(ids).logits).abs().max() < 0.1
+
+
+def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):
+    hf = json.loads((tiny_llama_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.from_hf({**hf, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    legacy = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "rope_parameters"} | {"rope_theta": 5e5})
+    assert legacy.rope_theta == 5e5
+    with pytest.raises(ValueError, match="no config.json"):
+        Transformer.from_pretrained(tmp_path)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_logits_match_transformers(smollm2_dir):
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(5))
+    ref = hf_model(smollm2_dir)(ids).logits
+    model = Transformer.from_pretrained(smollm2_dir, max_seq_len=64)
+    cache = model.new_cache()
+    prefill, _ = model(ids[:, :20], cache, positions_for(cache, 20))
+    cache.advance(20)
+    decode = [prefill]
+    for t in range(20, 24):
+        decode.append(model(ids[:, t:t + 1], cache, positions_for(cache, 1))[0])
+        cache.advance(1)
+    torch.testing.assert_close(torch.cat(decode, 1), ref, atol=1e-3, rtol=1e-4)
+    assert torch.equal(torch.cat(decode, 1).argmax(-1), ref.argmax(-1))

@@ -1,0 +1,160 @@
+import random
+
+import pytest
+import torch
+
+from runtime.drafter import DraftBudget, Drafter
+from runtime.ngram import NgramDrafter
+from runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def _drafter(tokens: list[int], **kwargs) -> NgramDrafter:
+    d = NgramDrafter(vocab_size=100, **kwargs)
+    d.reset(torch.tensor(tokens), None)
+    return d
+
+
+def _paths(tree) -> list[list[int]]:
+    """Root-to-node token path of every node."""
+    paths: list[list[int]] = []
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else []) + [token])
+    return paths
+
+
+def test_draft_budget():
+    assert DraftBudget(depth=4, width=2).max_nodes == 8 and DraftBudget(depth=4, width=2, nodes=5).max_nodes == 5
+    for kwargs, match in [(dict(depth=0), "depth=0"), (dict(depth=2, width=0), "width=0"),
+                          (dict(depth=2, nodes=-1), "nodes=-1"), (dict(depth=1.5), "depth=1.5")]:
+        with pytest.raises(ValueError, match=match):
+            DraftBudget(**kwargs)
+
+
+def test_is_a_drafter_without_features():
+    d = NgramDrafter(vocab_size=10)
+    assert isinstance(d, Drafter) and not d.needs_features and d.vocab_size == 10
+
+
+def test_continues_repeated_text():
+    phrase = [11, 12, 13, 14, 15, 16]
+    d = _drafter(phrase + [40, 41] + phrase[:2])
+    tree = d.propose(DraftBudget(depth=4), GREEDY)
+    assert tree.tokens.tolist() == [13, 14, 15, 16] and tree.parents.tolist() == [-1, 0, 1, 2] and tree.q is None
+
+
+def test_branches_ranked_by_count_then_recency():
+    # after "1 2": 3 twice, 7 once, 8 once (8 more recent than 7)
+    d = _drafter([1, 2, 3, 9, 1, 2, 7, 9, 1, 2, 3, 5, 1, 2, 8, 6, 1, 2])
+    tree = d.propose(DraftBudget(depth=1, width=3), GREEDY)
+    assert tree.tokens.tolist() == [3, 8, 7] and tree.parents.tolist() == [-1, -1, -1]
+    assert d.propose(DraftBudget(depth=1, width=2), GREEDY).tokens.tolist() == [3, 8]
+
+
+def test_longest_matching_suffix_wins():
+    # "3" alone was followed by 8 twice, but "6 3" was followed by 9
+    d = _drafter([3, 8, 3, 8, 6, 3, 9, 6, 3], max_ngram=2)
+    assert d.propose(DraftBudget(depth=1, width=2), GREEDY).tokens.tolist() == [9]
+    d = _drafter([3, 8, 3, 8, 6, 3, 9, 6, 3], max_ngram=1)
+    assert d.propose(DraftBudget(depth=1, width=2), GREEDY).tokens.tolist() == [8, 9]
+
+
+def test_no_match_gives_empty_tree():
+    assert len(_drafter([1, 2, 3, 4]).propose(DraftBudget(depth=3, width=2), GREEDY)) == 0
+    # a single repeated token is below min_ngram=2
+    assert len(_drafter([5, 1, 6, 1], min_ngram=2).propose(DraftBudget(depth=3), GREEDY)) == 0
+    assert _drafter([5, 1, 6, 1]).propose(DraftBudget(depth=3), GREEDY).tokens.tolist()[:1] == [6]
+
+
+def test_commit_updates_the_trie():
+    d = _drafter([1, 2, 3, 4, 1, 2])
+    assert d.propose(DraftBudget(depth=2, width=2), GREEDY).tokens.tolist() == [3, 4]
+    d.commit(torch.tensor([3, 5]), None)  # sequence: 1 2 3 4 1 2 3 5
+    d.commit(torch.tensor([1, 2, 3]), None)  # ... 1 2 3: now 4 and 5 both followed "1 2 3", 5 more recently
+    assert d.propose(DraftBudget(depth=1, width=2), GREEDY).tokens.tolist() == [5, 4]
+
+
+def test_incremental_commits_equal_a_fresh_reset():
+    rng = random.Random(0)
+    budget = DraftBudget(depth=4, width=3, nodes=10)
+    for _ in range(20):
+        seq = [rng.randrange(5) for _ in range(rng.randrange(2, 60))]
+        d = _drafter(seq[:1], max_ngram=3, max_depth=4)
+        i = 1
+        while i < len(seq):
+            step = rng.randrange(1, 5)
+            d.commit(torch.tensor(seq[i:i + step]), None)
+            i += step
+        got, ref = d.propose(budget, GREEDY), _drafter(seq, max_ngram=3, max_depth=4).propose(budget, GREEDY)
+        assert got.tokens.tolist() == ref.tokens.tolist() and got.parents.tolist() == ref.parents.tolist()
+
+
+def _count(seq: list[int], pattern: list[int]) -> int:
+    n = len(pattern)
+    return sum(seq[i:i + n] == pattern for i in range(len(seq) - n + 1))
+
+
+def _followers(seq: list[int], pattern: list[int]) -> dict[int, int]:
+    """token -> occurrences of pattern + [token] in seq."""
+    n = len(pattern)
+    out: dict[int, int] = {}
+    for i in range(len(seq) - n):
+        if seq[i:i + n] == pattern:
+            out[seq[i + n]] = out.get(seq[i + n], 0) + 1
+    return out
+
+
+def _longest_matched_suffix(seq: list[int], max_ngram: int) -> list[int] | None:
+    for length in range(min(max_ngram, len(seq)), 0, -1):
+        if _followers(seq, seq[-length:]):
+            return seq[-length:]
+    return None
+
+
+def test_proposals_are_the_budgets_most_frequent_continuations():
+    """Brute-force oracle: the tree is the best-first (by count) expansion of the longest matched suffix."""
+    rng = random.Random(1)
+    for case in range(60):
+        max_ngram, max_depth = rng.randrange(1, 4), rng.randrange(1, 5)
+        seq = [rng.randrange(rng.randrange(2, 6)) for _ in range(rng.randrange(1, 50))]
+        budget = DraftBudget(depth=rng.randrange(1, max_depth + 1), width=rng.randrange(1, 4),
+                             nodes=rng.randrange(0, 12))
+        tree = _drafter(seq, max_ngram=max_ngram, max_depth=max_depth).propose(budget, GREEDY)
+        suffix = _longest_matched_suffix(seq, max_ngram)
+        if suffix is None:
+            assert len(tree) == 0, case
+            continue
+        assert 0 < len(tree) <= budget.max_nodes, case
+        assert bool((tree.depths() <= budget.depth).all()), case
+        paths = _paths(tree)
+        counts = [_count(seq, suffix + p) for p in paths]
+        assert all(c > 0 for c in counts), case  # every path really followed the suffix
+        children = tree.children()
+        for row, kids in enumerate(children):
+            prefix = [] if row == 0 else paths[row - 1]
+            if len(prefix) >= budget.depth:
+                assert not kids, case
+                continue
+            available = sorted(_followers(seq, suffix + prefix).values(), reverse=True)
+            taken = [counts[k] for k in kids]
+            assert len(taken) <= budget.width and taken == available[:len(taken)], (case, row)  # top, in order
+            could_take = min(budget.width, len(available))
+            if len(tree) < budget.max_nodes:
+                assert len(taken) == could_take, (case, row)  # nothing left out while budget remains
+            elif len(taken) < could_take:
+                assert available[len(taken)] <= min(counts), (case, row)  # nothing better left out
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="max_ngram=0"):
+        NgramDrafter(vocab_size=10, max_ngram=0)
+    with pytest.raises(ValueError, match="min_ngram=3 > max_ngram=2"):
+        NgramDrafter(vocab_size=10, max_ngram=2, min_ngram=3)
+    d = NgramDrafter(vocab_size=10)
+    with pytest.raises(ValueError, match="empty token sequence"):
+        d.reset(torch.tensor([], dtype=torch.long), None)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 10\], expected \[0, 10\)"):
+        d.reset(torch.tensor([0, 10]), None)
+    with pytest.raises(ValueError, match=r"expected \[m\]"):
+        d.reset(torch.tensor([[1, 2]]), None)

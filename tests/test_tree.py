@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from runtime.tree import DraftTree
+
+
+def _tree(parents: list[int]) -> DraftTree:
+    return DraftTree(torch.arange(10, 10 + len(parents)), torch.tensor(parents, dtype=torch.long))
+
+
+# root -> 0 -> 2 -> 4
+#      \      \-> 3
+#       \-> 1 -> 5
+BRANCHY = [-1, -1, 0, 0, 2, 1]
+
+
+def test_depths():
+    assert _tree(BRANCHY).depths().tolist() == [1, 1, 2, 2, 3, 2]
+    assert DraftTree.chain(torch.tensor([7, 8, 9])).depths().tolist() == [1, 2, 3]
+    assert DraftTree.empty().depths().tolist() == []
+
+
+def test_children_in_proposal_order():
+    assert _tree(BRANCHY).children() == [[0, 1], [2, 3], [5], [4], [], [], []]
+    assert DraftTree.empty().children() == [[]]
+
+
+def test_ancestor_mask_matches_parent_walk():
+    tree = _tree(BRANCHY)
+    mask = tree.ancestor_mask()
+    assert mask.shape == (7, 7) and mask.dtype == torch.bool
+    for row in range(7):
+        expected = {0, row}
+        node = row - 1
+        while node >= 0:
+            expected.add(node + 1)
+            node = BRANCHY[node]
+        assert set(torch.nonzero(mask[row]).flatten().tolist()) == expected, row
+
+
+def test_ancestor_mask_of_chain_is_causal():
+    mask = DraftTree.chain(torch.tensor([5, 6, 7, 8])).ancestor_mask()
+    assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_siblings_do_not_see_each_other():
+    mask = _tree([-1, -1, -1]).ancestor_mask()
+    assert torch.equal(mask, torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.bool))
+
+
+def test_chain_parents():
+    tree = DraftTree.chain(torch.tensor([4, 5, 6]))
+    assert tree.parents.tolist() == [-1, 0, 1] and tree.tokens.dtype == torch.long and len(tree) == 3
+
+
+def test_rejects_child_before_parent():
+    with pytest.raises(ValueError, match="parent must come before"):
+        _tree([-1, 2, 0])
+    with pytest.raises(ValueError, match="parent must come before"):
+        _tree([0])
+
+
+def test_rejects_length_mismatch():
+    with pytest.raises(ValueError, match="3 tokens but 2 parents"):
+        DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0]))

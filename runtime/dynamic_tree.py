@@ -1,0 +1,124 @@
+"""EAGLE-2 dynamic draft trees, shared by every drafter that can score a node's children (EAGLE, LM).
+
+Per depth, expand the `width` frontier nodes with the highest cumulative draft probability; each expanded
+node draws `width` children. Then rerank every candidate and keep the global top `nodes`.
+
+Losslessness under sampling needs each node's children in the tree to be a *prefix* of its draws (drawn
+without replacement, in draw order). So candidates are ranked by an effective score that never exceeds the
+parent's or an earlier sibling's: the kept set is then closed under parents and earlier siblings. Under greedy
+drawing (top-k, draw order = probability order) the effective score is the plain cumulative log-probability.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from runtime.drafter import DraftBudget
+from runtime.sampling import SamplingParams, warp
+from runtime.tree import DraftTree
+from runtime.verify import draw_children
+
+# expand(candidates, node_ids) -> [len(node_ids), V] warped draft probabilities of each node's children. The
+# drafter runs its model on those nodes (tokens, parents and depths are in the `Candidates` it is handed).
+Expand = Callable[["Candidates", list[int]], torch.Tensor]
+
+
+def tree_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Draft probabilities that rank and draw a node's children. Under sampling they must be the warped q the
+    verifier divides by; under greedy verification q is never read, and the warp would collapse to a one-hot
+    (a chain), so the plain softmax ranks the alternatives instead."""
+    return logits.float().softmax(-1) if params.greedy else warp(logits, params)
+
+
+class Candidates:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.logp: list[float] = []  # cumulative log draft probability
+        self.eff: list[float] = []  # effective score (see module docstring)
+        self.q_rows: dict[int, torch.Tensor] = {}  # row (0 = root, i+1 = node i) -> distribution of its children
+
+    def depth(self, node: int) -> int:
+        d = 0
+        while node >= 0:
+            node, d = self.parents[node], d + 1
+        return d
+
+    def add_children(self, row: int, probs: torch.Tensor, k: int, params: SamplingParams, generator) -> list[int]:
+        self.q_rows[row] = probs
+        parent = row - 1
+        base_logp = self.logp[parent] if parent >= 0 else 0.0
+        ceiling = self.eff[parent] if parent >= 0 else 0.0
+        new = []
+        for tok in draw_children(probs, k, params, generator).tolist():
+            p = float(probs[tok])
+            if p <= 0:
+                break
+            score = base_logp + math.log(p)
+            ceiling = min(ceiling, score)
+            self.tokens.append(tok)
+            self.parents.append(parent)
+            self.logp.append(score)
+            self.eff.append(ceiling)
+            new.append(len(self.tokens) - 1)
+        return new
+
+
+def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, params: SamplingParams,
+              generator: torch.Generator | None = None, keep_q: bool = False) -> DraftTree:
+    c = Candidates()
+    frontier = c.add_children(0, root_probs, budget.width, params, generator)
+    for _ in range(budget.depth - 1):
+        if not frontier:
+            break
+        chosen = sorted(frontier, key=lambda i: (-c.eff[i], i))[: budget.width]
+        probs = expand(c, chosen)
+        frontier = []
+        for node, p in zip(chosen, probs):
+            frontier += c.add_children(node + 1, p, budget.width, params, generator)
+    limit = budget.nodes or budget.depth * budget.width
+    keep = sorted(sorted(range(len(c.tokens)), key=lambda i: (-c.eff[i], i))[:limit])
+    index = {old: new for new, old in enumerate(keep)}
+    device = root_probs.device
+    tokens = torch.tensor([c.tokens[i] for i in keep], dtype=torch.long, device=device)
+    parents = torch.tensor([index[c.parents[i]] if c.parents[i] >= 0 else -1 for i in keep], dtype=torch.long,
+                           device=device)
+    q = None
+    if keep_q:  # only sampling verification reads q; skip the [N+1, V] tensor under greedy
+        q = torch.zeros(len(keep) + 1, root_probs.numel(), dtype=root_probs.dtype, device=device)
+        for row, probs in c.q_rows.items():
+            node = row - 1
+            if node < 0:
+                q[0] = probs
+            elif node in index:
+                q[index[node] + 1] = probs
+    return DraftTree(tokens, parents, q)
+
+
+class TreeSlots:
+    """Where a drafter keeps the KV of the nodes it expands during one propose(): slots right after its
+    committed prefix, in expansion order. Each expanded node attends to the prefix, its ancestors and itself."""
+
+    def __init__(self, prefix_len: int, root_position: int, device: torch.device | str = "cpu"):
+        self.prefix = prefix_len
+        self.root_position = root_position
+        self.slot: dict[int, int] = {}  # node -> cache slot
+        self.device = device
+
+    def place(self, c: Candidates, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Assign slots to `nodes`; return (slots [1, T], positions [1, T], mask [1, 1, T, n_live])."""
+        for n in nodes:
+            self.slot[n] = self.prefix + len(self.slot)
+        n_live = self.prefix + len(self.slot)
+        mask = torch.zeros(len(nodes), n_live, dtype=torch.bool)
+        mask[:, : self.prefix] = True
+        for row, n in enumerate(nodes):
+            a = n
+            while a >= 0:
+                mask[row, self.slot[a]] = True
+                a = c.parents[a]
+        slots = torch.tensor([[self.slot[n] for n in nodes]], device=self.device)
+        positions = torch.tensor([[self.root_position + c.depth(n) for n in nodes]], device=self.device)
+        return slots, positions, mask.to(self.device)[None, None]

@@ -1,0 +1,129 @@
+"""EAGLE-1/2 drafter: one decoder block over [token embedding; target feature], predicting the next feature;
+the target's frozen lm_head (optionally a reduced draft vocabulary) turns features into tokens.
+
+Pair j = (x_{j+1}, f_j) sits at position j+1 and predicts f_{j+1}, whose head gives x_{j+2}. Committed pairs use
+the target's true features; tree nodes use the features the drafter itself predicted for their parents.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.draft_head import DraftHead
+from runtime.drafter import DraftBudget, Drafter
+from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
+from runtime.kv_cache import KVCache
+from runtime.model import Block, ModelConfig, Transformer, attention_mask, rope_tables
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    draft_vocab: int = 0  # 0: the full target vocabulary; else the size of the reduced draft vocabulary
+
+    def to_dict(self) -> dict:
+        return {"kind": "eagle", **asdict(self)}
+
+
+class EagleModel(nn.Module):
+    def __init__(self, target_cfg: ModelConfig, embed_weight: Tensor, head: DraftHead, max_seq_len: int):
+        super().__init__()
+        self.cfg = replace(target_cfg, n_layers=1)
+        dim = self.cfg.dim
+        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.block = Block(self.cfg)
+        # EAGLE, SGLang's LlamaForCausalLMEagle and vLLM speculators all skip the block's input norm (the fc
+        # output feeds attention directly); keeping it would make every served copy compute something else.
+        self.block.attention_norm = nn.Identity()
+        self.head = head
+        # Frozen and shared with the target: never trained, never saved with the drafter.
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        cos, sin = rope_tables(self.cfg, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @staticmethod
+    def from_target(target: Transformer, head: DraftHead) -> "EagleModel":
+        """Start from the target's last block and an fc that passes the feature through: a drafter that begins
+        as "one more target layer" learns far faster on a CPU budget than a random one."""
+        m = EagleModel(target.config, target.tok_embeddings.weight, head, target.max_seq_len)
+        last = {k: v for k, v in target.layers[-1].state_dict().items() if not k.startswith("attention_norm.")}
+        m.block.load_state_dict(last)
+        dim = target.config.dim
+        with torch.no_grad():
+            m.fc.weight.zero_()
+            m.fc.weight[:, dim:] = torch.eye(dim)
+            m.fc.bias.zero_()
+        return m.to(target.dtype)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(1, batch, c.n_kv_heads, max_len, c.head_dim, self.fc.weight.dtype, self.fc.weight.device)
+
+    def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, slots: Tensor,
+                n_live: int, mask: Tensor | None) -> Tensor:
+        """tokens, positions [B, T], features [B, T, H] -> predicted next features [B, T, H]."""
+        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
+        b = self.block
+        h, _ = b.attention(b.attention_norm(x), 0, cache, slots, n_live, mask, cos, sin, False)
+        x = x + h
+        return x + b.feed_forward(b.ffn_norm(x))
+
+    def causal(self, tokens: Tensor, features: Tensor, cache: KVCache) -> Tensor:
+        """Append pairs after each sequence's committed length (causal among themselves); no advance."""
+        T = tokens.shape[1]
+        positions = cache.lengths[:, None] + 1 + torch.arange(T, device=tokens.device)
+        n_live = int(cache.lengths.max()) + T
+        mask = attention_mask(cache.lengths, positions, n_live, None)
+        return self(tokens, features, positions, cache, cache.slots(T), n_live, mask)
+
+
+class EagleDrafter(Drafter):
+    needs_features = True
+
+    def __init__(self, model: EagleModel, max_len: int):
+        self.model = model
+        self.vocab_size = model.head.vocab_size
+        self.cache = model.new_cache(1, max_len)
+        self.pending: list[tuple[Tensor, Tensor]] = []  # committed pairs not yet in the drafter cache
+
+    def reset(self, tokens: Tensor, features: Tensor | None) -> None:
+        if features is None or features.shape[0] != tokens.numel() - 1:
+            raise ValueError("EagleDrafter.reset needs one target feature per token but the last")
+        self.cache.reset()
+        self.pending = [(tokens[1:], features)]
+
+    def commit(self, tokens: Tensor, features: Tensor | None) -> None:
+        if features is None or features.shape[0] != tokens.numel():
+            raise ValueError("EagleDrafter.commit needs one target feature per committed token")
+        self.pending.append((tokens, features))
+
+    @torch.inference_mode()
+    def propose(self, budget: DraftBudget, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        m, head = self.model, self.model.head
+        toks = torch.cat([t for t, _ in self.pending]).long()
+        feats = torch.cat([f for _, f in self.pending])
+        out = m.causal(toks[None], feats[None], self.cache)[0]
+        self.cache.advance(toks.numel())
+        self.pending = []
+        n = int(self.cache.lengths[0])  # pairs in the cache == position of the root token
+        row_feature = {0: out[-1]}
+        slots = TreeSlots(prefix_len=n, root_position=n, device=toks.device)
+
+        def expand(c, nodes: list[int]) -> Tensor:
+            tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=toks.device)
+            parent_feats = torch.stack([row_feature[c.parents[i] + 1] for i in nodes])[None]
+            s, pos, mask = slots.place(c, nodes)
+            f = m(tokens, parent_feats, pos, self.cache, s, mask.shape[-1], mask)[0]
+            for i, node in enumerate(nodes):
+                row_feature[node + 1] = f[i]
+            return head.to_target(tree_probs(head(f), params))
+
+        root = head.to_target(tree_probs(head(out[-1]), params))
+        return grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy)

@@ -38,12 +38,21 @@ class DataCfg(Section):
 
 class DrafterCfg(Section):
     kind: Literal["eagle", "medusa", "lm", "ngram"] = "eagle"
+    draft_vocab: int = Field(8192, ge=0)  # reduced draft vocabulary (most frequent train tokens); 0 = full
+    medusa_heads: int = Field(4, ge=1)
+    max_ngram: int = Field(4, ge=1)  # ngram drafter: longest suffix matched
+    depth: int = Field(6, ge=1)  # draft tree budget used by validate and serving
+    width: int = Field(4, ge=1)
+    nodes: int = Field(24, ge=0)
 
 
 class DistillCfg(Section):
     steps: int = Field(1000, ge=1)
     batch_size: int = Field(8, ge=1)
     lr: float = Field(3e-4, gt=0)
+    warmup: int = Field(50, ge=0)
+    ckpt_every: int = Field(100, ge=1)
+    noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
     deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3
 
 

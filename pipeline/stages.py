@@ -17,6 +17,7 @@ class StageContext:
     cfg: Config
     store: RunStore
     out: Path  # the stage's temp dir; renamed into place when the stage returns
+    digest: str = ""  # this stage's inputs digest
 
     @cached_property
     def target_dir(self) -> Path:
@@ -27,6 +28,24 @@ class StageContext:
     def input(self, stage: str) -> Path:
         """An earlier stage's finished output dir (the graph already checked it exists)."""
         return self.store.stage_dir(stage)
+
+
+def run_distill(ctx: StageContext) -> StageResult:
+    from pipeline.distill import run_distill as run
+
+    return run(ctx)
+
+
+def run_register(ctx: StageContext) -> StageResult:
+    from pipeline.registry import run_register as run
+
+    return run(ctx)
+
+
+def run_promote(ctx: StageContext) -> StageResult:
+    from pipeline.registry import run_promote as run
+
+    return run(ctx)
 
 
 def run_prepare(ctx: StageContext) -> StageResult:
@@ -60,12 +79,12 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("prepare", ("target", "data"), run_prepare, 4),
-    Stage("distill", ("drafter", "distill"), None, 4),
+    Stage("distill", ("drafter", "distill"), run_distill, 4),
     Stage("calibrate", ("calibrate",), None, 5),
     Stage("export", ("export",), None, 6),
     Stage("validate", ("validate",), None, 6),
-    Stage("register", ("register",), None, 7),
-    Stage("promote", ("promote",), None, 7),
+    Stage("register", ("register",), run_register, 7),
+    Stage("promote", ("promote",), run_promote, 7),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 

@@ -105,3 +105,16 @@ def prepare_dataset(tokenizer, conversations: list[list[dict]], out_dir: Path, m
         stats[name] = {"rows": len(ts), "tokens": int(ts.input_ids.numel()),
                        "loss_tokens": int(ts.loss_mask.sum())}
     return stats
+
+
+def prompts_from(ts: TokenizedSet, n: int) -> list[list[int]]:
+    """Up to n held-out prompts: each row's tokens before its first assistant token (the generation prompt)."""
+    out = []
+    for i in range(len(ts)):
+        ids, mask = ts.row(i)
+        first = int(mask.nonzero()[0]) if mask.any() else 0
+        if first > 0:
+            out.append(ids[:first].tolist())
+        if len(out) == n:
+            break
+    return out

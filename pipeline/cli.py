@@ -9,8 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.errors import DraftsmithError
+from runtime.bundle import BundleError
 
 console = Console(stderr=True)
+EXIT_GATE_FAILED = 3  # validate ran and its gate said no (the DAG branches on it); 1 = a stage failed, 2 = bad input
 
 
 def _run_store(cfg, run_id: str | None, create: bool):
@@ -46,11 +48,11 @@ def cmd_run(args) -> int:
                                       f"the stages before it are done in {store.dir}")
             console.rule(stage.name)
             with stage_run(cfg, store, stage.name, stage.sections):
-                rec = store.run_stage(stage.name, digest, lambda out: stage.run(StageContext(cfg, store, out)))
+                rec = store.run_stage(stage.name, digest, lambda out: stage.run(StageContext(cfg, store, out, digest)))
             console.print(f"{stage.name}: {rec['status']} in {rec['seconds']:.1f}s  {rec['message']}")
         if rec["status"] != "completed":
             console.print(f"[red]{stage.name}: {rec['status']}: {rec['message']}[/]")
-            return 1
+            return EXIT_GATE_FAILED if rec["status"] == "gate_failed" else 1
     write_json_atomic(store.dir / "last_run.json", {"stages": [s.name for s in stages]})
     return 0
 
@@ -86,6 +88,53 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_promote(args) -> int:
+    from pipeline.config import load_config
+    from pipeline.registry import promote_to
+
+    console.print(promote_to(load_config(args.config, args.overrides), args.to))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pipeline.config import load_config
+    from pipeline.serving import serve
+
+    return serve(load_config(args.config, args.overrides), args.port, args.host, args.alias)
+
+
+def cmd_bench(args) -> int:
+    import json
+
+    from pipeline.home import write_json_atomic
+    from pipeline.sources import resolve_target, target_fingerprint
+    from runtime.bench import default_bench_prompts, ngram_drafter_factory, run_bench
+    from runtime.bundle import read_bundle
+    from runtime.drafter import DraftBudget
+    from runtime.drafters import build_drafter
+
+    prompts = default_bench_prompts()
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise DraftsmithError(f"--prompts {path}: no such file (one prompt per line, or JSONL with 'prompt')")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        prompts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    target_dir = resolve_target(args.target)
+    factory = ngram_drafter_factory
+    if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
+        if not Path(args.drafter).is_dir():
+            raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
+        bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
+        factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
+    budget = DraftBudget(depth=args.depth, width=args.width, nodes=args.nodes)
+    report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
+                       budget=budget, drafter_factory=factory)
+    write_json_atomic(Path(args.out), report)
+    console.print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipeline.stages import STAGE_NAMES
 
@@ -106,6 +155,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config")
     c.add_argument("overrides", nargs="*", metavar="key=value")
     c.set_defaults(fn=cmd_config)
+    pr = sub.add_parser("promote", help="point alias champion at a registered version (rollback)")
+    pr.add_argument("--to", required=True, type=int, metavar="VERSION")
+    pr.add_argument("--config")
+    pr.add_argument("overrides", nargs="*", metavar="key=value")
+    pr.set_defaults(fn=cmd_promote)
+    sv = sub.add_parser("serve", help="serve models:/NAME@champion over REST on 127.0.0.1")
+    sv.add_argument("--port", type=int, default=5000)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--alias", default="champion")
+    sv.add_argument("--config")
+    sv.add_argument("overrides", nargs="*", metavar="key=value")
+    sv.set_defaults(fn=cmd_serve)
+    b = sub.add_parser("bench", help="HF generate vs our autoregressive vs our speculative, same prompts")
+    b.add_argument("--target", default="smollm2-135m-instruct")
+    b.add_argument("--drafter", help="'ngram' or a bundle directory (omit: no speculative row)")
+    b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a 'prompt' field")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--depth", type=int, default=5)
+    b.add_argument("--width", type=int, default=1)
+    b.add_argument("--nodes", type=int, default=0)
+    b.add_argument("--out", default="bench.json")
+    b.set_defaults(fn=cmd_bench)
     return p
 
 
@@ -113,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except DraftsmithError as e:
+    except (DraftsmithError, BundleError) as e:
         console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:

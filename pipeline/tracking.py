@@ -21,11 +21,11 @@ def tracking_uri(cfg: Config) -> str:
             or f"sqlite:///{Path(cfg.run.dir).resolve() / 'mlflow.db'}")
 
 
-def _flatten(prefix: str, obj) -> dict:
+def flatten(prefix: str, obj) -> dict:
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
-            out.update(_flatten(f"{prefix}.{k}" if prefix else k, v))
+            out.update(flatten(f"{prefix}.{k}" if prefix else k, v))
         return out
     return {prefix: obj}
 
@@ -59,7 +59,7 @@ def stage_run(cfg: Config, store: RunStore, stage: str, sections: tuple[str, ...
     with mlflow.start_run(run_id=parent):
         with mlflow.start_run(run_name=stage, nested=True,
                               tags={"draftsmith.run_id": store.run_id, "draftsmith.stage": stage}) as run:
-            params = _flatten("", {k: dump[k] for k in sections})
+            params = flatten("", {k: dump[k] for k in sections})
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
             yield run
             rec = store.record(stage) or {}

@@ -42,8 +42,9 @@ def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
     missing = pipeline("run", "--stage", "calibrate", "--run-id", "r1", cwd=tmp_path)
     assert missing.returncode == 2 and "needs the output of distill" in missing.stderr
     assert "Traceback" not in missing.stderr
-    full = pipeline("run", "--run-id", "r1", *args, cwd=tmp_path)
-    assert full.returncode == 2 and "stage distill is not implemented yet" in full.stderr
+    full = pipeline("run", "--run-id", "r1", *args, "drafter.kind=ngram", cwd=tmp_path)
+    assert full.returncode == 2 and "stage calibrate is not implemented yet" in full.stderr
+    assert json.loads((tmp_path / "runs/r1/distill/stage.json").read_text())["status"] == "completed"
     status = pipeline("status", "--run-id", "r1", cwd=tmp_path)
     assert status.returncode == 0 and "completed" in status.stdout
 
@@ -68,3 +69,27 @@ def test_stage_is_tracked_in_mlflow(tmp_path, tiny_data):
     assert stage.data.metrics["malformed"] == 1 and stage.data.params["data.val_fraction"] == "0.2"
     arts = [a.path for a in mlflow.MlflowClient().list_artifacts(stage.info.run_id, "prepare")]
     assert "prepare/stage.json" in arts
+
+
+@pytest.mark.slow
+def test_bench_refuses_a_bundle_for_another_target(tmp_path):
+    from export.bundle import write_bundle
+
+    write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 3}, None, target_fingerprint="other",
+                 data_digest="d", config={}, code_version="t")
+    res = pipeline("bench", "--drafter", str(tmp_path / "b"), cwd=tmp_path)
+    assert res.returncode == 2 and "built for target" in res.stderr and "Traceback" not in res.stderr
+    res = pipeline("bench", "--drafter", str(tmp_path / "missing"), cwd=tmp_path)
+    assert res.returncode == 2 and "expected 'ngram' or a bundle directory" in res.stderr
+
+
+@pytest.mark.slow
+def test_bench_cli_writes_report(tmp_path):
+    (tmp_path / "p.txt").write_text("Say hello.\n")
+    res = pipeline("bench", "--drafter", "ngram", "--prompts", "p.txt", "--max-new-tokens", "8", "--out", "b.json",
+                   cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert set(report["methods"]) == {"hf_generate", "ours_ar", "ours_spec"}
+    assert report["methods"]["ours_spec"]["same_tokens_as_ours_ar"] is True
+    assert report["ours_ar_fraction_of_floor"] > 0

@@ -1,0 +1,101 @@
+"""Serving: the MLflow pyfunc that generates with a registered drafter bundle, and `pipeline serve`.
+
+The pyfunc holds only the bundle (an artifact) and the target's spec (model_config): at load it resolves the
+target, checks that the bundle was built for exactly these weights, and runs our own speculative engine.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlflow.pyfunc
+import pandas as pd
+
+from pipeline.config import Config
+from pipeline.tracking import tracking_uri
+
+def pyfunc_signature():
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    # max_new_tokens is double, not long: a row that leaves it out becomes NaN, which a long column refuses.
+    inputs = Schema([ColSpec("string", "prompt"), ColSpec("double", "max_new_tokens", required=False),
+                     ColSpec("double", "temperature", required=False)])
+    return ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string")]))
+
+
+def _cell(row, column: str, default):
+    """A row's optional value; absent columns and missing cells (NaN after DataFrame alignment) take the default."""
+    v = row.get(column)
+    return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
+    """Input: DataFrame with `prompt` (plain user text) and optional `max_new_tokens`, `temperature`.
+    Output: one generated answer per row."""
+
+    def load_context(self, context) -> None:
+        from transformers import AutoTokenizer
+
+        from pipeline.sources import resolve_target, target_fingerprint
+        from runtime.bundle import read_bundle
+        from runtime.drafter import DraftBudget
+        from runtime.drafters import build_drafter
+        from runtime.engine import Engine, EngineConfig
+        from runtime.model import Transformer
+
+        settings = context.model_config
+        target_dir = resolve_target(settings["target"])
+        # Refuse to serve a drafter against weights other than those it was trained and validated for.
+        bundle = read_bundle(context.artifacts["bundle"], expect_target_fingerprint=target_fingerprint(target_dir))
+        target = Transformer.from_pretrained(target_dir)
+        engine_cfg = EngineConfig(max_seq_len=target.max_seq_len,  # serve the target's whole context
+                                  budget=DraftBudget(**settings["budget"]))
+        self.engine = Engine(target, build_drafter(bundle, target, engine_cfg.max_seq_len), engine_cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.stop_ids = tuple(i for i in (self.tokenizer.eos_token_id,) if i is not None)
+        self.max_new_tokens = int(settings["max_new_tokens"])  # a row without max_new_tokens gets validate's
+        self.lock = threading.Lock()  # one engine, one KV cache: requests take turns
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        from runtime.sampling import SamplingParams
+
+        answers = []
+        for row in model_input.to_dict(orient="records"):
+            prompt = row.get("prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"prompt={prompt!r}: expected a non-empty string")
+            max_new = _cell(row, "max_new_tokens", self.max_new_tokens)
+            if not float(max_new).is_integer() or max_new < 1:
+                raise ValueError(f"max_new_tokens={max_new!r}: expected a whole number >= 1")
+            sampling = SamplingParams(temperature=float(_cell(row, "temperature", 0.0)))
+            with self.lock:
+                out = self.engine.generate(self._prompt_ids(prompt), int(max_new), sampling, stop_ids=self.stop_ids)
+            answers.append(self.tokenizer.decode(out.tokens, skip_special_tokens=True))
+        return answers
+
+
+def serve_invocation(cfg: Config, port: int, host: str = "127.0.0.1",
+                     alias: str = "champion") -> tuple[list[str], dict[str, str]]:
+    """The `mlflow models serve` command line and environment that serve models:/NAME@alias."""
+    uri = tracking_uri(cfg)
+    argv = [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{cfg.register.model_name}@{alias}",
+            "--host", host, "--port", str(port), "--env-manager", "local"]
+    # mlflow execs `uvicorn` by name: find it beside this interpreter even when the venv is not activated.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return argv, {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri}
+
+
+def serve(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "champion") -> int:
+    """Run the MLflow scoring server in the foreground until it stops; return its exit status."""
+    argv, env = serve_invocation(cfg, port, host, alias)
+    return subprocess.run(argv, env=env).returncode

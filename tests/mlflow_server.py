@@ -1,0 +1,106 @@
+"""Registry test fixtures: a real `mlflow server` on 127.0.0.1 (sqlite backend, proxied artifacts, a free
+port), and a run store holding a validated bundle to register."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from export.bundle import write_bundle
+from pipeline.home import write_json_atomic
+from pipeline.runstore import RunStore, StageResult
+from pipeline.stages import StageContext
+from pipeline.tracking import stage_run
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the test process is an MLflow client too
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
+    """Poll `url` until it answers 200; fail early with the server's log if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered:\n"
+                               f"{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own session, workers included."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+@contextmanager
+def mlflow_server(root: Path) -> Iterator[str]:
+    """Start `mlflow server` with its sqlite db and artifacts under `root`; yield its http:// URL."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = root / "mlflow-server.log"
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+           "--artifacts-destination", str(root / "artifacts")]
+    # No job runner: it starts seven huey consumer processes (GenAI jobs) that the registry does not use.
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{url}/health", proc, log)
+        yield url
+    finally:
+        stop(proc)
+
+
+def validated_run(cfg, run_id: str, speedup: float, *, validation_digest: str = "prompts-a", passed: bool = True,
+                  target_fingerprint: str = "target-fp") -> RunStore:
+    """A run store holding what export and validate leave behind: a bundle and a validation report."""
+    store = RunStore(cfg.run.dir, run_id)
+
+    def export(out):
+        write_bundle(out / "bundle", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint=target_fingerprint,
+                     data_digest=f"data-{run_id}", config={"drafter": {"kind": "ngram"}, "run": run_id},
+                     code_version="test-code")
+        return StageResult(outputs={"bundle": "bundle"})
+
+    def validate(out):
+        metrics = {"tau": 2.0, "speedup": speedup, "speedup_hf": speedup * 1.1, "tokens_per_s": 40.0 * speedup,
+                   "lossless": True, "acceptance": {"depth1": 0.7}}
+        gate = {"passed": passed, "reasons": [] if passed else ["speedup 0.9 < min_speedup 1.0"]}
+        write_json_atomic(out / "report.json", {"metrics": metrics, "gate": gate,
+                                                "validation_digest": validation_digest})
+        return StageResult(status="completed" if passed else "gate_failed", metrics={"speedup": speedup})
+
+    store.run_stage("export", "export-digest", export)
+    store.run_stage("validate", "validate-digest", validate)
+    return store
+
+
+def run_stage(cfg, store: RunStore, stage: str, fn) -> dict:
+    """What `pipeline run --stage` does: an atomic stage dir inside the stage's MLflow run; returns stage.json."""
+    with stage_run(cfg, store, stage, (stage,)):
+        return store.run_stage(stage, f"{stage}-digest", lambda out: fn(StageContext(cfg, store, out)))

@@ -1,0 +1,123 @@
+"""The serving pyfunc: registered bundle + target -> speculative generation equal to plain greedy decoding."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow_server import free_port, run_stage, stop, validated_run, wait_healthy
+
+from pipeline.config import load_config
+from pipeline.registry import run_promote, run_register
+from pipeline.serving import serve_invocation
+from pipeline.sources import target_fingerprint
+from runtime.bundle import BundleError
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny random llama plus a word-level tokenizer with a chat template (its 96 ids are words).
+
+    Untied: with tied embeddings a random model just repeats its last token, which any drafter guesses."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("chat-target") / "model"
+    shutil.copytree(tiny_model_dir("llama"), out)
+    specials = ["<unk>", "<eos>", "<user>", "<assistant>"]
+    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(len(specials), 96)])}
+    words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Reference answers: the target alone, greedy, through the same chat template and stop token."""
+    from transformers import AutoTokenizer
+
+    from runtime.engine import Engine, EngineConfig
+    from runtime.model import Transformer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = Transformer.from_pretrained(target_dir)
+    engine = Engine(target, None, EngineConfig(max_seq_len=target.max_seq_len))
+    answers = []
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        answers.append(tok.decode(engine.generate(ids, max_new_tokens, stop_ids=(tok.eos_token_id,)).tokens,
+                                  skip_special_tokens=True))
+    return answers
+
+
+def registry_cfg(tmp_path: Path, target: Path | str):
+    return load_config(None, [f"run.dir={tmp_path / 'runs'}", f"target={target}",
+                              f"register.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+
+
+def test_pyfunc_generates_like_the_target(tmp_path, tiny_chat_target):
+    import mlflow
+
+    cfg = registry_cfg(tmp_path, tiny_chat_target)
+    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target))
+    model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
+    model = mlflow.pyfunc.load_model(model_uri)
+    prompts = ["w5 w6 w7 w5 w6 w7 w5 w6", "w40 w41 w40 w41"]
+    # The second row leaves max_new_tokens out (NaN in the frame): it gets validate's max_new_tokens.
+    served = model.predict(pd.DataFrame([{"prompt": prompts[0], "max_new_tokens": 24}, {"prompt": prompts[1]}]))
+    lengths = (24, cfg.validate.max_new_tokens)
+    expected = [plain_greedy(tiny_chat_target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    assert served == expected and len(set(expected[0].split())) > 3  # a varied answer, not one repeated token
+    sampled = model.predict(pd.DataFrame({"prompt": prompts[:1], "temperature": [0.8]}))
+    assert len(sampled) == 1 and isinstance(sampled[0], str)
+    with pytest.raises(ValueError, match="prompt=''"):
+        model.predict(pd.DataFrame({"prompt": [""]}))
+    with pytest.raises(ValueError, match="max_new_tokens=2.5: expected a whole number"):
+        model.predict(pd.DataFrame({"prompt": ["w5"], "max_new_tokens": [2.5]}))
+
+
+def test_pyfunc_refuses_a_bundle_for_other_weights(tmp_path, tiny_chat_target):
+    import mlflow
+
+    cfg = registry_cfg(tmp_path, tiny_chat_target)
+    store = validated_run(cfg, "r1", 1.5, target_fingerprint="another-target")
+    model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
+    with pytest.raises(BundleError, match="built for target"):
+        mlflow.pyfunc.load_model(model_uri)
+
+
+@pytest.mark.slow
+def test_serve_champion_over_http(tmp_path, smollm2_dir):
+    """`pipeline serve`'s command serves models:/NAME@champion; POST /invocations answers like the target."""
+    cfg = registry_cfg(tmp_path, "smollm2-135m-instruct")
+    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(smollm2_dir))
+    run_stage(cfg, store, "register", run_register)
+    assert run_stage(cfg, store, "promote", run_promote)["metrics"]["promoted"]
+    port = free_port()
+    argv, env = serve_invocation(cfg, port)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/ping", proc, log, timeout_s=240)
+        prompts = ["List the first five prime numbers.", "What is the capital of France?"]
+        body = json.dumps({"dataframe_records": [{"prompt": p, "max_new_tokens": 16} for p in prompts]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=180) as r:
+            predictions = json.loads(r.read())["predictions"]
+    finally:
+        stop(proc)
+    assert predictions == plain_greedy(smollm2_dir, prompts, 16) and all(p.strip() for p in predictions)

@@ -36,6 +36,18 @@ def run_distill(ctx: StageContext) -> StageResult:
     return run(ctx)
 
 
+def run_export(ctx: StageContext) -> StageResult:
+    from pipeline.export_stage import run_export as run
+
+    return run(ctx)
+
+
+def run_validate(ctx: StageContext) -> StageResult:
+    from pipeline.validate import run_validate as run
+
+    return run(ctx)
+
+
 def run_register(ctx: StageContext) -> StageResult:
     from pipeline.registry import run_register as run
 
@@ -81,8 +93,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("prepare", ("target", "data"), run_prepare, 4),
     Stage("distill", ("drafter", "distill"), run_distill, 4),
     Stage("calibrate", ("calibrate",), None, 5),
-    Stage("export", ("export",), None, 6),
-    Stage("validate", ("validate",), None, 6),
+    Stage("export", ("export",), run_export, 6),
+    Stage("validate", ("validate", "run"), run_validate, 6),
     Stage("register", ("register",), run_register, 7),
     Stage("promote", ("promote",), run_promote, 7),
 )

@@ -1,0 +1,115 @@
+"""The export stage: distill's drafter (+ calibration reports) -> a verified bundle bound to its target.
+
+The bundle carries everything register and serving need and nothing they must trust blindly: the manifest
+lists the sha256 of every file, the target fingerprint, the data digest, the full run config and the code
+version. With `export.onnx` a weighted drafter also ships its step as drafter.onnx, checked against
+onnxruntime before the stage may finish.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from pipeline.errors import DraftsmithError
+from pipeline.runstore import RunStore, StageResult
+from pipeline.sources import target_fingerprint
+from pipeline.stages import StageContext
+from runtime.bundle import CONFIG, WEIGHTS, read_bundle
+
+BUNDLE_DIR = "bundle"
+CALIBRATION_SUFFIXES = (".json", ".png")  # calibrate's reports (layer_map.json, quant.json, plots)
+# Parity runs at other shapes than the export's example, so a dynamic axis baked into a constant fails it.
+ONNX_EXPORT_SHAPE, ONNX_PARITY_SHAPE = (2, 4), (1, 7)
+ONNX_MODULE = {"eagle": "model", "medusa": "heads"}  # the runtime drafter's attribute holding the exported module
+
+
+def code_version() -> str:
+    """`git describe` of the checkout this package runs from, else the installed package version."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        res = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--tags"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        res = None
+    if res is not None and res.returncode == 0 and res.stdout.strip():
+        return f"git:{res.stdout.strip()}"
+    return f"draftsmith=={metadata.version('draftsmith')}"
+
+
+def calibration_files(store: RunStore) -> dict[str, Path]:
+    """The report files the calibrate stage listed as outputs, if it completed; {} when it did not run."""
+    rec = store.record("calibrate")
+    if rec is None or rec.get("status") != "completed":
+        return {}
+    root = store.stage_dir("calibrate")
+    named = [v for v in rec.get("outputs", {}).values() if isinstance(v, str)]
+    return {Path(v).name: root / v for v in named
+            if Path(v).suffix in CALIBRATION_SUFFIXES and (root / v).is_file()}
+
+
+def data_digest(store: RunStore) -> str:
+    rec = store.record("prepare")
+    if rec is None:
+        raise DraftsmithError(f"export needs the prepare stage's record: {store.stage_dir('prepare')}/stage.json "
+                              "is missing")
+    return rec["inputs_digest"]
+
+
+def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path) -> dict:
+    """Export the bundle's drafter step to `out` and check it against onnxruntime; raise if parity fails."""
+    from export.onnx_export import check_onnx_parity, example_inputs, export_onnx
+    from runtime.drafters import build_drafter
+    from runtime.model import Transformer
+
+    bundle = read_bundle(bundle_dir, fingerprint)
+    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    drafter = build_drafter(bundle, target, max_len=64)
+    if bundle.kind not in ONNX_MODULE:
+        raise DraftsmithError(f"export.onnx: drafter kind {bundle.kind!r} has no ONNX step (set export.onnx=false)")
+    module = getattr(drafter, ONNX_MODULE[bundle.kind])
+    record = export_onnx(module, bundle.kind, example_inputs(module, bundle.kind, *ONNX_EXPORT_SHAPE), out)
+    parity = check_onnx_parity(module, bundle.kind, out, example_inputs(module, bundle.kind, *ONNX_PARITY_SHAPE,
+                                                                        seed=1))
+    if not parity["passed"]:
+        raise DraftsmithError(f"export: {out.name} disagrees with the torch drafter (max relative difference "
+                              f"{parity['max_rel_diff']:.3g} > tolerance {parity['tolerance']:.3g}); "
+                              "the bundle was not written")
+    return {**record, "parity": parity}
+
+
+def run_export(ctx: StageContext) -> StageResult:
+    from safetensors.torch import load_file
+
+    from export.bundle import write_bundle
+    from export.onnx_export import ONNX_FILE
+
+    distill = ctx.input("distill")
+    drafter_config = json.loads((distill / CONFIG).read_text())
+    tensors = load_file(str(distill / WEIGHTS)) if (distill / WEIGHTS).is_file() else None  # ngram: none
+    if tensors is None and drafter_config.get("kind") != "ngram":
+        raise DraftsmithError(f"export: {distill / WEIGHTS} is missing for a {drafter_config.get('kind')!r} drafter")
+    fingerprint = target_fingerprint(ctx.target_dir)
+    d = ctx.cfg.drafter
+    extra_files = calibration_files(ctx.store)
+    extra_manifest = {"draft_budget": {"depth": d.depth, "width": d.width, "nodes": d.nodes}}
+    bundle_dir = ctx.out / BUNDLE_DIR
+    lineage = dict(target_fingerprint=fingerprint, data_digest=data_digest(ctx.store),
+                   config=ctx.cfg.model_dump(mode="json"), code_version=code_version())
+
+    def write(files: dict[str, Path], manifest: dict) -> dict:
+        return write_bundle(bundle_dir, drafter_config, tensors, extra_files=files, extra_manifest=manifest, **lineage)
+
+    manifest = write(extra_files, extra_manifest)
+    metrics = {"bundle_files": len(manifest["files"])}
+    if ctx.cfg.export.onnx and tensors is not None:
+        # The ONNX file is exported from the bundle just written (what validate and serving load), in a scratch
+        # path outside it, then the bundle is rewritten with it so the manifest covers its hash.
+        scratch = ctx.out / ONNX_FILE
+        onnx_record = onnx_checked(bundle_dir, fingerprint, ctx.target_dir, scratch)
+        manifest = write({**extra_files, ONNX_FILE: scratch}, {**extra_manifest, "onnx": onnx_record})
+        scratch.unlink()
+        metrics |= {"bundle_files": len(manifest["files"]), "onnx_max_rel_diff": onnx_record["parity"]["max_rel_diff"]}
+    return StageResult(outputs={"bundle": BUNDLE_DIR, "manifest": f"{BUNDLE_DIR}/manifest.json"}, metrics=metrics,
+                       message=f"{drafter_config['kind']} bundle: {', '.join(sorted(manifest['files']))}")

@@ -1,0 +1,205 @@
+"""The validate stage: load the exported bundle the way serving does, measure it on held-out prompts, gate it.
+
+Every number comes from one process on the same prompts: our speculative engine, our autoregressive engine
+(the same model, cache and verifier without a drafter) and HF transformers `generate`, each warmed up once
+before timing. Greedy losslessness (speculative tokens == autoregressive tokens) is always measured, so
+temperature 0 is added when the config lists only sampling temperatures. Headline metrics are the worst case
+over the temperatures measured; the gate reads them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline.config import GateCfg
+from pipeline.errors import DraftsmithError
+from pipeline.home import digest_json, write_json_atomic
+from pipeline.runstore import StageResult
+from pipeline.stages import StageContext
+from runtime.engine import Metrics
+from runtime.sampling import SamplingParams
+
+REPORT_JSON, REPORT_MD = "report.json", "report.md"
+ACCEPTANCE_PNG, SPEEDUP_PNG = "acceptance_by_depth.png", "speedup.png"
+METHODS = ("spec", "ar", "hf")  # our speculative engine, our autoregressive engine, HF generate
+HEADLINE = ("tau", "speedup", "speedup_hf", "tokens_per_s", "tokens_per_s_ar", "tokens_per_s_hf")  # worst case
+
+Generate = Callable[[list[int], SamplingParams, torch.Generator], tuple[list[int], Metrics | None]]
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One method at one temperature over all prompts."""
+    tokens: list[list[int]]
+    new_tokens: int
+    seconds: float
+    target_forwards: int  # 0 for HF generate, whose forwards we do not see
+    acceptance_by_depth: list[float]  # mean over prompts of the engine's per-depth acceptance
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+    def tau(self, prompts: int) -> float:  # the first token of each prompt comes from the prefill
+        return (self.new_tokens - prompts) / max(self.target_forwards, 1)
+
+
+def time_method(run: Generate, prompts: list[list[int]], params: SamplingParams, seed: int) -> Timed:
+    gen = torch.Generator().manual_seed(seed)
+    outputs, seconds, forwards, by_depth = [], 0.0, 0, []
+    for ids in prompts:
+        start = time.perf_counter()
+        tokens, metrics = run(ids, params, gen)
+        seconds += time.perf_counter() - start
+        outputs.append(tokens)
+        if metrics is not None:
+            forwards += metrics.target_forwards
+            by_depth.append(metrics.acceptance_by_depth)
+    depths = max(map(len, by_depth), default=0)
+    # a depth that a prompt never offered (e.g. after the engine fell back) has no rate: average the others
+    mean = [sum(a[d] for a in by_depth if len(a) > d) / sum(len(a) > d for a in by_depth) for d in range(depths)]
+    return Timed(outputs, sum(map(len, outputs)), seconds, forwards, mean)
+
+
+def gate_reasons(metrics: dict, gate: GateCfg) -> list[str]:
+    reasons = []
+    if metrics["tau"] < gate.min_tau:
+        reasons.append(f"tau {metrics['tau']:.3f} < gate.min_tau {gate.min_tau}")
+    if metrics["speedup"] < gate.min_speedup:
+        reasons.append(f"speedup over our autoregressive decode {metrics['speedup']:.3f} < gate.min_speedup "
+                       f"{gate.min_speedup}")
+    if gate.require_lossless and not metrics["lossless"]:
+        reasons.append(f"greedy speculative output differs from autoregressive output on "
+                       f"{metrics['lossy_prompts']} prompt(s) (gate.require_lossless)")
+    return reasons
+
+
+def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[float]) -> dict:
+    """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.distill import draft_budget, load_target
+    from pipeline.sources import target_fingerprint
+    from runtime.bench import device_name, hf_generate
+    from runtime.bundle import read_bundle
+    from runtime.drafters import build_drafter
+    from runtime.engine import Engine, EngineConfig
+
+    bundle = read_bundle(ctx.input("export") / "bundle", target_fingerprint(ctx.target_dir))  # refuses tampering
+    v, budget = ctx.cfg.validate, draft_budget(ctx)
+    max_seq_len = max(map(len, prompts)) + v.max_new_tokens + budget.max_nodes + 1
+    target = load_target(ctx, max_seq_len)
+    hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
+    eos = hf.generation_config.eos_token_id
+    stop_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    engine_cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget)  # serving's engine settings
+    engines = {"spec": Engine(target, build_drafter(bundle, target, max_seq_len), engine_cfg),
+               "ar": Engine(target, None, engine_cfg)}
+
+    def ours(engine: Engine) -> Generate:
+        def run(ids, params, gen):
+            out = engine.generate(ids, v.max_new_tokens, params, gen, stop_ids)
+            return out.tokens, out.metrics
+        return run
+
+    methods: dict[str, Generate] = {name: ours(e) for name, e in engines.items()}
+    methods["hf"] = lambda ids, params, gen: (hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen), None)
+    for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
+        run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
+    seed = ctx.cfg.run.seed
+    timed = {t: {name: time_method(run, prompts, SamplingParams(temperature=t), seed)
+                 for name, run in methods.items()} for t in temperatures}
+    return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
+            "budget": {"depth": budget.depth, "width": budget.width, "nodes": budget.nodes}, "timed": timed}
+
+
+def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
+    spec, ar, hf = (timed[m] for m in METHODS)
+    row = {"temperature": t, "tau": spec.tau(prompts), "acceptance_by_depth": spec.acceptance_by_depth,
+           "tokens_per_s": spec.tokens_per_s, "tokens_per_s_ar": ar.tokens_per_s, "tokens_per_s_hf": hf.tokens_per_s,
+           "speedup": spec.tokens_per_s / ar.tokens_per_s, "speedup_hf": spec.tokens_per_s / hf.tokens_per_s,
+           "new_tokens": {m: timed[m].new_tokens for m in METHODS}}
+    if t == 0.0:
+        row["lossy_prompts"] = sum(a != b for a, b in zip(spec.tokens, ar.tokens))
+    return row
+
+
+def write_report_md(path: Path, report: dict) -> None:
+    lines = [f"# Validation of a {report['drafter_kind']} drafter", "",
+             f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, {report['dtype']} on "
+             f"{report['device']}; draft budget {report['budget']}", "",
+             "| T | tau | spec tok/s | our AR tok/s | HF tok/s | speedup vs our AR | speedup vs HF |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["temperatures"]:
+        lines.append(f"| {r['temperature']:g} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_ar']:.1f} "
+                     f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |")
+    gate = report["gate"]
+    lines += ["", f"Greedy lossless: {'yes' if report['metrics']['lossless'] else 'NO'}", "",
+              f"Gate: {'passed' if gate['passed'] else 'FAILED: ' + '; '.join(gate['reasons'])}", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(out: Path, rows: list[dict]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r in rows:
+        acc = r["acceptance_by_depth"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"T={r['temperature']:g}")
+    ax.set(xlabel="draft depth", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance by depth")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / ACCEPTANCE_PNG, dpi=100)
+
+    fig = Figure(figsize=(5, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], [r["speedup"] for r in rows], width=0.4, label="vs our autoregressive")
+    ax.bar([i + 0.2 for i in x], [r["speedup_hf"] for r in rows], width=0.4, label="vs HF generate")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(x, [f"T={r['temperature']:g}" for r in rows])
+    ax.set(ylabel="speedup (x)", title="Speculative decoding speedup")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / SPEEDUP_PNG, dpi=100)
+
+
+def run_validate(ctx: StageContext) -> StageResult:
+    from train.data import TokenizedSet, prompts_from
+
+    v = ctx.cfg.validate
+    val_path = ctx.input("prepare") / "val.safetensors"
+    prompts = prompts_from(TokenizedSet.load(val_path), v.num_prompts)
+    if not prompts:
+        raise DraftsmithError(f"validate: {val_path} has no row with a prompt before its first assistant token")
+    temperatures = list(dict.fromkeys([0.0, *map(float, v.temperatures)]))  # greedy first: losslessness
+    measured = measure(ctx, prompts, temperatures)
+    rows = [per_temperature(t, measured["timed"][t], len(prompts)) for t in temperatures]
+    lossy = rows[0]["lossy_prompts"]
+    metrics = {k: min(r[k] for r in rows) for k in HEADLINE}
+    metrics |= {"lossless": lossy == 0, "lossy_prompts": lossy}
+    reasons = gate_reasons(metrics, v.gate)
+    report = {"metrics": metrics, "gate": {"passed": not reasons, "reasons": reasons, **v.gate.model_dump()},
+              "temperatures": rows, "drafter_kind": measured["kind"], "prompts": len(prompts),
+              "max_new_tokens": v.max_new_tokens, "dtype": measured["dtype"], "device": measured["device"],
+              "budget": measured["budget"],
+              "validation_digest": digest_json({"prompt_ids": prompts, "temperatures": temperatures,
+                                                "max_new_tokens": v.max_new_tokens})}
+    write_json_atomic(ctx.out / REPORT_JSON, report)
+    write_report_md(ctx.out / REPORT_MD, report)
+    write_plots(ctx.out, rows)
+    summary = (f"tau {metrics['tau']:.2f}, {metrics['speedup']:.2f}x over our AR, {metrics['speedup_hf']:.2f}x over "
+               f"HF generate, lossless {metrics['lossless']}")
+    return StageResult(status="completed" if not reasons else "gate_failed",
+                       outputs={"report": REPORT_JSON, "report_md": REPORT_MD, "plots": [ACCEPTANCE_PNG, SPEEDUP_PNG]},
+                       metrics={k: float(val) for k, val in metrics.items()},
+                       message=summary if not reasons else f"gate failed: {'; '.join(reasons)} ({summary})")

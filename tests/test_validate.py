@@ -1,0 +1,158 @@
+"""export + validate stages on the tiny target: a verified bundle, measured numbers, the gate, tamper refusal."""
+import json
+
+import pytest
+import torch
+
+from pipeline.config import Config
+from pipeline.errors import DraftsmithError
+from pipeline.export_stage import run_export
+from pipeline.home import sha256_file
+from pipeline.runstore import RunStore, StageResult
+from pipeline.sources import target_fingerprint
+from pipeline.stages import StageContext
+from pipeline.validate import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate
+from runtime.bundle import MANIFEST, BundleError
+from train.data import TokenizedSet
+
+PROMPT_TOKENS = 12
+
+
+def _config(**sections) -> Config:
+    base = {"drafter": {"kind": "ngram", "depth": 3, "width": 2, "nodes": 6}, "export": {"onnx": False},
+            "validate": {"num_prompts": 2, "max_new_tokens": 12, "temperatures": [0.0, 0.8],
+                         "gate": {"min_tau": 1.0, "min_speedup": 0.0}}}
+    return Config.model_validate({**base, **sections})
+
+
+def _run(store: RunStore, stage: str, cfg: Config, target_dir, fn) -> dict:
+    def body(out):
+        ctx = StageContext(cfg, store, out, f"digest-{stage}")
+        ctx.__dict__["target_dir"] = target_dir  # the cached_property, without resolving a preset
+        return fn(ctx)
+    return store.run_stage(stage, f"digest-{stage}", body)
+
+
+def _prepared_store(tmp_path, target_dir, drafter_files) -> RunStore:
+    """A run with prepare (val rows: prompt then assistant tokens) and distill (`drafter_files`) finished."""
+    store = RunStore(tmp_path / "runs", "r1")
+    g = torch.Generator().manual_seed(0)
+
+    def prepare(ctx):
+        # repeated n-grams in the prompts give the ngram drafter something to match
+        rows = [((torch.randint(0, 96, (4,), generator=g).repeat(PROMPT_TOKENS // 4 + 2)).tolist(),
+                 [0] * PROMPT_TOKENS + [1] * 8) for _ in range(3)]
+        TokenizedSet.from_rows(rows).save(ctx.out / "val.safetensors")
+        return StageResult(outputs={"val": "val.safetensors"})
+
+    def distill(ctx):
+        for name, write in drafter_files.items():
+            write(ctx.out / name)
+        return StageResult(outputs={"config": "drafter_config.json"})
+
+    cfg = _config()
+    _run(store, "prepare", cfg, target_dir, prepare)
+    _run(store, "distill", cfg, target_dir, distill)
+    return store
+
+
+def _ngram_files():
+    return {"drafter_config.json": lambda p: p.write_text(json.dumps({"kind": "ngram", "max_ngram": 3}))}
+
+
+@pytest.fixture
+def exported(tmp_path, tiny_llama_dir):
+    store = _prepared_store(tmp_path, tiny_llama_dir, _ngram_files())
+    _run(store, "export", _config(), tiny_llama_dir, run_export)
+    return store
+
+
+def test_export_writes_a_manifest_covering_every_file(exported, tiny_llama_dir):
+    bundle = exported.stage_dir("export") / "bundle"
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    on_disk = {p.name for p in bundle.iterdir() if p.name != MANIFEST}
+    assert set(manifest["files"]) == on_disk == {"drafter_config.json"}  # ngram: no weights
+    assert all(sha256_file(bundle / n) == h for n, h in manifest["files"].items())
+    assert manifest["target_fingerprint"] == target_fingerprint(tiny_llama_dir)
+    assert manifest["data_digest"] == exported.record("prepare")["inputs_digest"]
+    assert manifest["config"]["drafter"]["kind"] == "ngram"
+    assert manifest["draft_budget"] == {"depth": 3, "width": 2, "nodes": 6}
+    assert manifest["code_version"]
+
+
+def _medusa_files(target_dir):
+    from safetensors.torch import save_file
+
+    from runtime.model import Transformer
+    from train.recipes import build_medusa
+
+    heads = build_medusa(Transformer.from_pretrained(target_dir, max_seq_len=64), num_heads=2, keep_ids=None)
+    return {"drafter_config.json": lambda p: p.write_text(json.dumps(heads.cfg.to_dict())),
+            "drafter.safetensors": lambda p: save_file({k: v.contiguous() for k, v in heads.state_dict().items()},
+                                                        str(p))}
+
+
+def test_export_copies_calibration_reports_and_checks_onnx(tmp_path, tiny_llama_dir):
+    store = _prepared_store(tmp_path, tiny_llama_dir, _medusa_files(tiny_llama_dir))
+
+    def calibrate(ctx):
+        (ctx.out / "layer_map.json").write_text('{"map": [0, 0]}')
+        (ctx.out / "unlisted.json").write_text("{}")
+        return StageResult(outputs={"layer_map": "layer_map.json"})
+
+    _run(store, "calibrate", _config(), tiny_llama_dir, calibrate)
+    _run(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
+    bundle = store.stage_dir("export") / "bundle"
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"drafter_config.json", "drafter.safetensors", "layer_map.json", "drafter.onnx"}
+    assert all(sha256_file(bundle / n) == h for n, h in manifest["files"].items())
+    assert manifest["onnx"]["parity"]["passed"] and manifest["onnx"]["kind"] == "medusa"
+    assert not (store.stage_dir("export") / "drafter.onnx").exists()  # the scratch export was moved in
+
+
+def test_export_fails_when_onnx_parity_fails(tmp_path, tiny_llama_dir, monkeypatch):
+    import export.onnx_export as onnx_export
+
+    real_check = onnx_export.check_onnx_parity
+
+    def disagreeing(*args, **kwargs):  # the real measurement, judged against an impossible tolerance
+        return real_check(*args, **{**kwargs, "tolerance": -1.0})
+
+    monkeypatch.setattr(onnx_export, "check_onnx_parity", disagreeing)
+    store = _prepared_store(tmp_path, tiny_llama_dir, _medusa_files(tiny_llama_dir))
+    with pytest.raises(DraftsmithError, match="drafter.onnx disagrees with the torch drafter"):
+        _run(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
+    assert store.record("export") is None and not store.stage_dir("export").exists()
+
+
+def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
+    rec = _run(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    out = exported.stage_dir("validate")
+    assert rec["status"] == "completed"
+    for name in (REPORT_JSON, REPORT_MD, ACCEPTANCE_PNG, SPEEDUP_PNG):
+        assert (out / name).stat().st_size > 0
+    assert (out / ACCEPTANCE_PNG).read_bytes()[:4] == b"\x89PNG"
+    report = json.loads((out / REPORT_JSON).read_text())
+    m = report["metrics"]
+    assert m["lossless"] is True and m["tau"] >= 1.0
+    assert m["tokens_per_s"] > 0 and m["tokens_per_s_ar"] > 0 and m["tokens_per_s_hf"] > 0
+    assert [r["temperature"] for r in report["temperatures"]] == [0.0, 0.8]
+    assert report["gate"]["passed"] and report["gate"]["reasons"] == []
+    assert len(report["validation_digest"]) == 64
+    assert "| 0.8 |" in (out / REPORT_MD).read_text()
+
+
+def test_validate_gate_failure_names_tau(exported, tiny_llama_dir):
+    cfg = _config(validate={"num_prompts": 1, "max_new_tokens": 8, "gate": {"min_tau": 100}})
+    rec = _run(exported, "validate", cfg, tiny_llama_dir, run_validate)
+    assert rec["status"] == "gate_failed" and "tau" in rec["message"]
+    report = json.loads((exported.stage_dir("validate") / REPORT_JSON).read_text())
+    assert not report["gate"]["passed"] and any("min_tau" in r for r in report["gate"]["reasons"])
+
+
+def test_validate_refuses_a_tampered_bundle(exported, tiny_llama_dir):
+    config = exported.stage_dir("export") / "bundle" / "drafter_config.json"
+    config.write_text(json.dumps({"kind": "ngram", "max_ngram": 1}))
+    with pytest.raises(BundleError, match="tampered"):
+        _run(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    assert exported.record("validate") is None  # nothing half-written for register to find

@@ -36,6 +36,12 @@ def run_distill(ctx: StageContext) -> StageResult:
     return run(ctx)
 
 
+def run_calibrate(ctx: StageContext) -> StageResult:
+    from pipeline.calibrate import run_calibrate as run
+
+    return run(ctx)
+
+
 def run_export(ctx: StageContext) -> StageResult:
     from pipeline.export_stage import run_export as run
 
@@ -92,7 +98,7 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("prepare", ("target", "data"), run_prepare, 4),
     Stage("distill", ("drafter", "distill"), run_distill, 4),
-    Stage("calibrate", ("calibrate",), None, 5),
+    Stage("calibrate", ("calibrate",), run_calibrate, 5),
     Stage("export", ("export",), run_export, 6),
     Stage("validate", ("validate", "run"), run_validate, 6),
     Stage("register", ("register",), run_register, 7),

@@ -42,9 +42,12 @@ def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
     missing = pipeline("run", "--stage", "calibrate", "--run-id", "r1", cwd=tmp_path)
     assert missing.returncode == 2 and "needs the output of distill" in missing.stderr
     assert "Traceback" not in missing.stderr
-    full = pipeline("run", "--run-id", "r1", *args, "drafter.kind=ngram", cwd=tmp_path)
-    assert full.returncode == 2 and "stage calibrate is not implemented yet" in full.stderr
-    assert json.loads((tmp_path / "runs/r1/distill/stage.json").read_text())["status"] == "completed"
+    quick = ["drafter.kind=ngram", "validate.num_prompts=2", "validate.max_new_tokens=12", "export.onnx=false"]
+    failing = pipeline("run", "--run-id", "r1", *args, *quick, "validate.gate.min_tau=50", cwd=tmp_path)
+    assert failing.returncode == 3 and "gate_failed" in failing.stderr  # the gate said no: nothing registered
+    assert not (tmp_path / "runs/r1/register").exists()
+    refused = pipeline("run", "--stage", "register", "--run-id", "r1", cwd=tmp_path)
+    assert refused.returncode == 2 and "gate_failed" in refused.stderr
     status = pipeline("status", "--run-id", "r1", cwd=tmp_path)
     assert status.returncode == 0 and "completed" in status.stdout
 

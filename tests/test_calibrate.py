@@ -1,0 +1,154 @@
+"""calibrate on a tiny target: quantisation picked by measured tau, a monotone layer map, a top-p sweep."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from export.layer_map import DENSE, LayerMap
+from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
+from pipeline.config import Config
+from pipeline.runstore import RunStore
+from pipeline.stages import StageContext
+from runtime.drafters import DRAFT_VOCAB
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+from train import recipes
+from train.batches import Batches
+from train.data import TokenizedSet
+from train.trainer import TrainSpec, train
+
+N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
+FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24, map_prompts=3)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir):
+    # a large init gives peaked next-token distributions, as a trained model's are (random ones are near-uniform)
+    return tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.3, num_hidden_layers=N_LAYERS,
+                          intermediate_size=INTERMEDIATE)
+
+
+@pytest.fixture(scope="module")
+def distilled(target_dir, tmp_path_factory):
+    """(val rows, eagle tensors): a briefly trained drafter on the target's own greedy text, so tau is well above
+    1 and a damaging quantisation shows up as a tau drop."""
+    target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+    engine = Engine(target, None, EngineConfig(max_seq_len=256))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(12):
+        prompt = torch.randint(0, 96, (6,), generator=g).tolist()
+        rows.append((prompt + engine.generate(prompt, 34, SamplingParams()).tokens, [0] * 6 + [1] * 34))
+    data = TokenizedSet.from_rows(rows)
+    keep = torch.arange(64)
+    model = recipes.build_eagle(target, keep, from_target=False)
+    train(model, recipes.eagle_loss(target), Batches(data, 8, seed=0), TrainSpec(steps=40, lr=3e-3, warmup=2),
+          tmp_path_factory.mktemp("ckpt"), log=lambda step, m: None)
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    tensors[DRAFT_VOCAB] = keep
+    return data, tensors
+
+
+def make_hard_to_quantise(tensors: dict, factor: float) -> None:
+    """Same function, harder to quantise: FFN up-channel k is scaled by `factor` on the side where it lies along
+    dim 1 of the stored matrix (inside a quantisation row/group) and divided on the other side. Which side that
+    is depends on whether runtime.model.Linear stores [out, in] (`weight`) or [in, out] (`weight_t`)."""
+    w13, w2 = (next(v for k, v in tensors.items() if k.startswith(f"block.feed_forward.{n}.")) for n in ("w13", "w2"))
+    transposed = any(k.endswith("w2.weight_t") for k in tensors)
+    for k in range(0, INTERMEDIATE, 8):
+        if transposed:  # w13 [dim, 2I], w2 [I, dim]
+            w13[:, INTERMEDIATE + k] *= factor
+            w2[k] /= factor
+        else:  # w13 [2I, dim], w2 [dim, I]
+            w2[:, k] *= factor
+            w13[INTERMEDIATE + k] /= factor
+
+
+def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outlier=0.0) -> StageContext:
+    cfg = Config.model_validate({"run": {"dir": str(tmp_path)}, "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
+                                 "calibrate": {"tau_tolerance": tolerance}})
+    store = RunStore(tmp_path, "r1")
+    prep, distill = store.stage_dir("prepare"), store.stage_dir("distill")
+    prep.mkdir(parents=True)
+    distill.mkdir()
+    data, tensors = distilled
+    for split in ("train", "val"):
+        data.save(prep / f"{split}.safetensors")
+    if kind == "ngram":
+        (distill / "drafter_config.json").write_text(json.dumps({"kind": "ngram", "max_ngram": 4}))
+    else:  # saved the way pipeline/distill.py saves it
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        if outlier:
+            make_hard_to_quantise(tensors, outlier)
+        save_file(tensors, str(distill / "drafter.safetensors"))
+        (distill / "drafter_config.json").write_text(json.dumps({"kind": "eagle", "draft_vocab": 64}))
+    out = tmp_path / "calibrate.tmp"
+    out.mkdir()
+    ctx = StageContext(cfg, store, out)
+    ctx.__dict__["target_dir"] = target_dir  # cached_property: no hub lookup for the tiny target
+    return ctx
+
+
+def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled)
+    result = run_calibrate(ctx, FAST)
+    quant = json.loads((ctx.out / "quant.json").read_text())
+    measured = [c for c in quant["candidates"] if "tau" in c]
+    assert measured and quant["fp32_tau"] > 1.0
+    within = [c for c in measured if c["tau_drop"] <= 0.02]
+    if quant["chosen"] == "fp32":
+        assert not within
+    else:
+        chosen = next(c for c in measured if c["scheme"] == quant["chosen"])
+        assert chosen["tau_drop"] <= 0.02 and all(chosen["bytes"] <= c["bytes"] for c in within)
+        with safe_open(str(ctx.out / "quant.safetensors"), "pt") as f:
+            assert f.metadata()["scheme"] == quant["chosen"]
+            assert any(k.endswith(".qweight") for k in f.keys())
+    for c in measured:
+        assert 0 < c["rel_error"] < 0.5
+    skipped = {c["scheme"]: c["skipped"] for c in quant["candidates"] if "skipped" in c}
+    assert list(skipped) == ["int4-g128"] and "not a multiple" in skipped["int4-g128"]
+
+    layer_map = LayerMap.from_json((ctx.out / "layer_map.json").read_text())  # validates monotonicity
+    assert len(layer_map.mapping) == N_LAYERS and layer_map.mapping[:2] == (DENSE, DENSE)
+    assert all(m == 0 for m in layer_map.mapping[2:])  # one draft layer
+    assert all(v <= 0 for v in layer_map.scores[0])  # -KL
+    for png in ("layer_map.png", "sparsity.png"):
+        assert (ctx.out / png).stat().st_size > 1000
+    m = result.metrics
+    assert len([k for k in m if k.startswith("neg_kl_layer_")]) == N_LAYERS
+    saved = [m[f"kv_saved_p{p}"] for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
+    mass = [m[f"target_mass_p{p}"] for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
+    assert all(a >= b for a, b in zip(saved, saved[1:])) and 0 < saved[0] < 1
+    assert all(a <= b + 1e-6 for a, b in zip(mass, mass[1:])) and 0 < mass[0] <= mass[-1] <= 1 + 1e-6
+    assert "not yet wired" in result.message
+
+
+def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled, tolerance=0.0, outlier=20.0)
+    run_calibrate(ctx, FAST)
+    quant = json.loads((ctx.out / "quant.json").read_text())
+    assert any(c.get("tau_drop", 0) > 0 for c in quant["candidates"] if c["scheme"].startswith("int4"))
+    assert quant["chosen"] in ("fp32", "int8")
+    for c in quant["candidates"]:
+        if c["scheme"] == quant["chosen"]:
+            assert c["tau_drop"] <= 0.0
+
+
+def test_choose_scheme_prefers_smallest_within_tolerance():
+    cands = [{"scheme": "int8", "tau_drop": 0.0, "bytes": 100}, {"scheme": "int4-g64", "tau_drop": 0.05, "bytes": 60},
+             {"scheme": "int4-g32", "skipped": "group size"}]
+    assert choose_scheme(cands, 0.1) == "int4-g64"
+    assert choose_scheme(cands, 0.01) == "int8"
+    assert choose_scheme(cands[1:], 0.0) == "fp32"
+
+
+def test_ngram_is_not_applicable(tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled, kind="ngram")
+    result = run_calibrate(ctx, FAST)
+    assert "not applicable" in result.message
+    assert json.loads((ctx.out / "quant.json").read_text())["chosen"] == "not applicable"
+    assert not (ctx.out / "layer_map.json").exists()

@@ -43,7 +43,7 @@ def cmd_run(args) -> int:
             rec = store.record(stage.name)
             console.print(f"[dim]{stage.name}: up to date ({rec['status']}), skipped; --force reruns it[/]")
         else:
-            if stage.run is None:
+            if not stage.implemented:
                 raise DraftsmithError(f"stage {stage.name} is not implemented yet (issue #{stage.issue}); "
                                       f"the stages before it are done in {store.dir}")
             console.rule(stage.name)
@@ -76,7 +76,7 @@ def cmd_status(args) -> int:
         elif err:
             table.add_row(s.name, "[red]failed[/]", "", err["error"][:100])
         else:
-            table.add_row(s.name, "pending" if s.run else "[dim]not implemented[/]", "", "")
+            table.add_row(s.name, "pending" if s.implemented else "[dim]not implemented[/]", "", "")
     Console().print(table)
     return 0
 

@@ -1,10 +1,10 @@
 """The stage graph: what each stage reads from the config and from earlier stages, and how it runs."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
 
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
@@ -28,42 +28,6 @@ class StageContext:
     def input(self, stage: str) -> Path:
         """An earlier stage's finished output dir (the graph already checked it exists)."""
         return self.store.stage_dir(stage)
-
-
-def run_distill(ctx: StageContext) -> StageResult:
-    from pipeline.distill import run_distill as run
-
-    return run(ctx)
-
-
-def run_calibrate(ctx: StageContext) -> StageResult:
-    from pipeline.calibrate import run_calibrate as run
-
-    return run(ctx)
-
-
-def run_export(ctx: StageContext) -> StageResult:
-    from pipeline.export_stage import run_export as run
-
-    return run(ctx)
-
-
-def run_validate(ctx: StageContext) -> StageResult:
-    from pipeline.validate import run_validate as run
-
-    return run(ctx)
-
-
-def run_register(ctx: StageContext) -> StageResult:
-    from pipeline.registry import run_register as run
-
-    return run(ctx)
-
-
-def run_promote(ctx: StageContext) -> StageResult:
-    from pipeline.registry import run_promote as run
-
-    return run(ctx)
 
 
 def run_prepare(ctx: StageContext) -> StageResult:
@@ -91,18 +55,27 @@ def run_prepare(ctx: StageContext) -> StageResult:
 class Stage:
     name: str
     sections: tuple[str, ...]  # config sections whose values feed the inputs digest
-    run: Callable[[StageContext], StageResult] | None  # None: not implemented yet
+    impl: str | None  # "module:function" taking a StageContext; None: not implemented yet
     issue: int
+
+    @property
+    def implemented(self) -> bool:
+        return self.impl is not None
+
+    def run(self, ctx: StageContext) -> StageResult:
+        # imported only when the stage runs: `pipeline status` and the DAG never pay for torch/mlflow imports
+        module, function = self.impl.split(":")
+        return getattr(importlib.import_module(module), function)(ctx)
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", ("target", "data"), run_prepare, 4),
-    Stage("distill", ("drafter", "distill"), run_distill, 4),
-    Stage("calibrate", ("calibrate",), run_calibrate, 5),
-    Stage("export", ("export",), run_export, 6),
-    Stage("validate", ("validate", "run"), run_validate, 6),
-    Stage("register", ("register",), run_register, 7),
-    Stage("promote", ("promote",), run_promote, 7),
+    Stage("prepare", ("target", "data"), "pipeline.stages:run_prepare", 4),
+    Stage("distill", ("drafter", "distill"), "pipeline.distill:run_distill", 4),
+    Stage("calibrate", ("calibrate",), "pipeline.calibrate:run_calibrate", 5),
+    Stage("export", ("export",), "pipeline.export_stage:run_export", 6),
+    Stage("validate", ("validate", "run"), "pipeline.validate:run_validate", 6),
+    Stage("register", ("register",), "pipeline.registry:run_register", 7),
+    Stage("promote", ("promote",), "pipeline.registry:run_promote", 7),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 

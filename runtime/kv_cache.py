@@ -50,9 +50,10 @@ class KVCache:
 
     def advance(self, n: int | torch.Tensor) -> None:
         """Commit the first n written slots (an int for every sequence, or a [B] tensor)."""
-        self.lengths += n
-        if int(self.lengths.max()) > self.max_len:
+        lengths = self.lengths + n
+        if int(lengths.max()) > self.max_len:
             raise ValueError(f"KVCache: advancing by {n} overflows the cache length {self.max_len}")
+        self.lengths.copy_(lengths)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep only the written slots at offsets `keep` [k] (ascending, relative to each sequence's length):

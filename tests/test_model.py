@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import ModelConfig, Taps, Transformer
+from runtime.model import Linear, ModelConfig, Taps, Transformer
 from runtime.tree import DraftTree
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -149,6 +149,7 @@ def test_kv_cache_compact_moves_slots_in_place():
         cache.slots(4)
     with pytest.raises(ValueError, match="overflows"):
         cache.advance(4)
+    assert cache.lengths.tolist() == [5, 7]  # a refused advance changes nothing
 
 
 def test_prompt_longer_than_cache_is_a_clear_error(tiny_llama_dir):
@@ -164,7 +165,7 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
     import transformers
 
     tied = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=32)
-    assert tied.tok_embeddings is tied.output  # one table, stored once
+    assert tied.output.weight is tied.tok_embeddings.weight  # one table, stored once
     assert sum(p.numel() for p in tied.parameters()) == sum(
         p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).parameters())
 
@@ -180,6 +181,20 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
         logits = bf16(ids, bf16.new_cache(), ids)[0]
     assert bf16.rope_cos.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
     assert (logits.float() - hf(ids).logits).abs().max() < 0.1
+
+
+@torch.no_grad()
+def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
+    model = Transformer.from_pretrained(tiny_model_dir("qwen2"), max_seq_len=32)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    assert all(m.packed is not None for m in linears)
+    ids = torch.arange(7)[None]
+    packed = model(ids, model.new_cache(), ids)[0]
+    for m in linears:
+        m.packed = None
+    torch.testing.assert_close(packed, model(ids, model.new_cache(), ids)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):

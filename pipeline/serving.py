@@ -62,9 +62,9 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         self.lock = threading.Lock()  # one engine, one KV cache: requests take turns
 
     def _prompt_ids(self, prompt: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        from runtime.bench import encode
+
+        return encode(self.tokenizer, prompt, chat_template=True)  # the same encoding the benchmark measures
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         from runtime.sampling import SamplingParams

@@ -33,6 +33,7 @@ class DataCfg(Section):
     regenerate: bool = False  # replace assistant turns with the target's own answers (self-distillation)
     regen_max_new_tokens: int = Field(256, ge=1)
     regen_temperature: float = Field(0.0, ge=0)
+    regen_batch_size: int = Field(16, ge=1)  # sequences decoded together (continuous batching)
     cache_hidden: bool = False  # store target hidden states on disk (offline distillation)
 
 
@@ -44,6 +45,10 @@ class DrafterCfg(Section):
     depth: int = Field(6, ge=1)  # draft tree budget used by validate and serving
     width: int = Field(4, ge=1)
     nodes: int = Field(24, ge=0)
+    lm_layers: int = Field(4, ge=1)  # lm: decoder layers of the small independent LM
+    lm_init: Literal["target", "random"] = "target"  # lm: start from the target's embeddings and first layers
+    lm_base: str | None = None  # lm: an existing small causal LM (HF dir or hub id) to LoRA-tune instead
+    lora_rank: int = Field(16, ge=1)  # lm_base: peft LoRA rank
 
 
 class DistillCfg(Section):
@@ -54,10 +59,19 @@ class DistillCfg(Section):
     ckpt_every: int = Field(100, ge=1)
     noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
     deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3
+    kd_loss: Literal["forward_kl", "tv"] = "forward_kl"  # lm: distance to the target's next-token distribution
 
 
 class CalibrateCfg(Section):
     tau_tolerance: float = Field(0.02, ge=0, le=1)  # pick the most compressed setting within this tau drop
+    ppl_tolerance: float = Field(0.01, ge=0)  # relative target perplexity increase allowed (KV quant, SpecAttn)
+    weight_schemes: list[str] = ["int8", "int4-g128", "int4-g64", "int4-g32"]  # drafter weights
+    kv_schemes: list[str] = ["int8", "int4", "hier-int4"]  # KV cache of target and drafter
+    kv_recent: int = Field(64, ge=0)  # most recent tokens kept in full precision (rollback never requantises)
+    prompts: int = Field(4, ge=1)  # calibration prompts from the validation split
+    tokens: int = Field(256, ge=8)  # tokens per calibration row
+    dense_first: int = Field(2, ge=0)  # SpecAttn: the first target layers always attend densely
+    top_p: list[float] = [0.5, 0.8, 0.9, 0.95, 0.99]  # SpecAttn: draft attention mass kept per head
 
 
 class ExportCfg(Section):

@@ -29,6 +29,14 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
+    def row(self, b: int) -> "KVCache":
+        """Sequence b as a batch-1 cache over the same storage: continuous batching prefills one row while the
+        others keep their state."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, b:b + 1], self.v[:, b:b + 1]
+        view.lengths, view.rows = self.lengths[b:b + 1], self.rows[:1]
+        return view
+
     def reset(self) -> None:
         self.lengths.zero_()
 

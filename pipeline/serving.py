@@ -42,6 +42,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from transformers import AutoTokenizer
 
         from pipeline.sources import resolve_target, target_fingerprint
+        from runtime.bench import stop_ids
         from runtime.bundle import read_bundle
         from runtime.drafter import DraftBudget
         from runtime.drafters import build_drafter
@@ -57,7 +58,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
                                   budget=DraftBudget(**settings["budget"]))
         self.engine = Engine(target, build_drafter(bundle, target, engine_cfg.max_seq_len), engine_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.stop_ids = tuple(i for i in (self.tokenizer.eos_token_id,) if i is not None)
+        self.stop_ids = stop_ids(self.tokenizer)
         self.max_new_tokens = int(settings["max_new_tokens"])  # a row without max_new_tokens gets validate's
         self.lock = threading.Lock()  # one engine, one KV cache: requests take turns
 

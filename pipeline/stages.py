@@ -30,27 +30,6 @@ class StageContext:
         return self.store.stage_dir(stage)
 
 
-def run_prepare(ctx: StageContext) -> StageResult:
-    from transformers import AutoTokenizer
-
-    from pipeline.sources import load_conversations
-    from train.data import prepare_dataset
-
-    d = ctx.cfg.data
-    if d.regenerate or d.cache_hidden:
-        raise DraftsmithError("data.regenerate and data.cache_hidden are not implemented yet (issue #4)")
-    convs = load_conversations(d.source, limit=d.max_records)
-    tok = AutoTokenizer.from_pretrained(ctx.target_dir)
-    stats = prepare_dataset(tok, convs.items, ctx.out, d.max_length, d.min_assistant_tokens, d.val_fraction)
-    stats["conversations"] = len(convs.items)
-    stats["malformed"] = dict(convs.malformed)
-    msg = f"{len(convs.items)} conversations, {convs.n_malformed} malformed records skipped"
-    return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"},
-                       metrics={"train_rows": stats["train"]["rows"], "val_rows": stats["val"]["rows"],
-                                "train_tokens": stats["train"]["tokens"], "malformed": convs.n_malformed},
-                       message=msg)
-
-
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -69,7 +48,7 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", ("target", "data"), "pipeline.stages:run_prepare", 4),
+    Stage("prepare", ("target", "data"), "pipeline.prepare:run_prepare", 4),
     Stage("distill", ("drafter", "distill"), "pipeline.distill:run_distill", 4),
     Stage("calibrate", ("calibrate",), "pipeline.calibrate:run_calibrate", 5),
     Stage("export", ("export",), "pipeline.export_stage:run_export", 6),

@@ -72,7 +72,7 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     params = SamplingParams(temperature=temperature)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = [encode(tokenizer, p, chat_template) for p in prompts]
-    stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    stops = stop_ids(tokenizer)
     max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + budget.max_nodes + 1
 
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len)
@@ -81,12 +81,12 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
 
     def ours(engine: Engine) -> Method:
         def run(ids: list[int], gen: torch.Generator) -> tuple[list[int], Generation | None]:
-            out = engine.generate(ids, max_new_tokens, params, gen, stop_ids)
+            out = engine.generate(ids, max_new_tokens, params, gen, stops)
             return out.tokens, out
         return run
 
     methods: dict[str, Method] = {
-        "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stop_ids, gen), None),
+        "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stops, gen), None),
         "ours_ar": ours(Engine(target, None, cfg))}
     if drafter_spec is not None:
         methods["ours_spec"] = ours(Engine(target, drafter_factory(drafter_spec, target), cfg))
@@ -141,6 +141,11 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
     return results
 
 
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """Where generation ends: the tokenizer's end-of-sequence token (the chat template's end of turn)."""
+    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+
+
 def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     if chat_template and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -150,13 +155,14 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
 
 
 def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams, stop_ids: tuple[int, ...],
-                gen: torch.Generator) -> list[int]:
+                gen: torch.Generator, assistant=None) -> list[int]:
+    """HF `generate`; with `assistant` (an HF causal LM sharing the tokenizer), HF assisted generation."""
     torch.manual_seed(int(torch.randint(2**31, (), generator=gen)))  # HF samples from the global generator
     sampling = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature,
                                                             "top_k": params.top_k, "top_p": params.top_p}
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
-                          pad_token_id=stop_ids[0] if stop_ids else None, **sampling)
+                          pad_token_id=stop_ids[0] if stop_ids else None, assistant_model=assistant, **sampling)
     return out[0, len(ids):].tolist()
 
 

@@ -23,14 +23,19 @@ def _generator(seed: int, epoch: int, purpose: str) -> torch.Generator:
 
 class Batches:
     """`batch_at(step)` -> input_ids [B, T] long (right-padded), loss_mask [B, T] bool, lengths [B] long,
-    rows [B] long (dataset row of each batch row, e.g. to look up cached target features)."""
+    rows [B] long (dataset row of each batch row), and with cached target `features` (flat [tokens, H], aligned
+    with data.input_ids) also features [B, T, H] in their stored dtype."""
 
-    def __init__(self, data: TokenizedSet, batch_size: int, seed: int = 0, bucket: int = 8):
+    def __init__(self, data: TokenizedSet, batch_size: int, seed: int = 0, bucket: int = 8,
+                 features: Tensor | None = None):
         if batch_size < 1 or len(data) < batch_size:
             raise ValueError(f"batch_size={batch_size}: expected 1 <= batch_size <= {len(data)} (rows in the set)")
         if bucket < 1:
             raise ValueError(f"bucket={bucket}: expected >= 1 batches per length-sorting window")
+        if features is not None and features.shape[0] != data.input_ids.numel():
+            raise ValueError(f"features cover {features.shape[0]} tokens, the data has {data.input_ids.numel()}")
         self.data, self.batch_size, self.seed, self.bucket = data, batch_size, seed, bucket
+        self.features = features
         self.lengths = data.offsets[1:] - data.offsets[:-1]
         self.steps_per_epoch = len(data) // batch_size  # the remainder differs every epoch, so no row is lost
         self._epoch: tuple[int, Tensor] | None = None  # memo of the last epoch's [steps_per_epoch, B] row table
@@ -38,7 +43,7 @@ class Batches:
     def describe(self) -> dict:
         """What determines the batch sequence; a resumed run must see the same."""
         return {"rows": len(self.data), "tokens": int(self.lengths.sum()), "batch_size": self.batch_size,
-                "seed": self.seed, "bucket": self.bucket}
+                "seed": self.seed, "bucket": self.bucket, "cached_features": self.features is not None}
 
     def _epoch_rows(self, epoch: int) -> Tensor:
         if self._epoch is None or self._epoch[0] != epoch:
@@ -64,7 +69,14 @@ class Batches:
             ids, mask = self.data.row(r)
             input_ids[i, : ids.numel()] = ids
             loss_mask[i, : mask.numel()] = mask
-        return {"input_ids": input_ids, "loss_mask": loss_mask, "lengths": lengths, "rows": rows}
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "lengths": lengths, "rows": rows}
+        if self.features is not None:
+            feats = self.features.new_zeros(len(rows), T, self.features.shape[1])
+            for i, r in enumerate(rows.tolist()):
+                a, b = int(self.data.offsets[r]), int(self.data.offsets[r + 1])
+                feats[i, : b - a] = self.features[a:b]
+            batch["features"] = feats
+        return batch
 
 
 def shard_rows(batch: dict[str, Tensor], index: int, count: int) -> dict[str, Tensor]:

@@ -28,6 +28,9 @@ class TokenizedSet:
 
     @staticmethod
     def from_rows(rows: list[tuple[list[int], list[int]]]) -> "TokenizedSet":
+        if not rows:
+            return TokenizedSet(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.uint8),
+                                torch.zeros(1, dtype=torch.int64))
         lengths = torch.tensor([0] + [len(ids) for ids, _ in rows], dtype=torch.int64)
         flat_ids = [t for ids, _ in rows for t in ids]
         flat_mask = [m for _, mask in rows for m in mask]
@@ -66,15 +69,31 @@ def assistant_spans(tokenizer, turns: list[dict], max_chars: int) -> tuple[str, 
     return text, spans
 
 
-def tokenize_conversation(tokenizer, turns: list[dict], max_length: int) -> tuple[list[int], list[int]] | None:
-    rendered = assistant_spans(tokenizer, turns, max_chars=max_length * 16)
-    if rendered is None:
-        return None
-    text, spans = rendered
+def _encode(tokenizer, text: str, spans: list[tuple[int, int]], max_length: int) -> tuple[list[int], list[int]]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True,
                     max_length=max_length)
     mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
+
+
+def tokenize_conversation(tokenizer, turns: list[dict], max_length: int) -> tuple[list[int], list[int]] | None:
+    rendered = assistant_spans(tokenizer, turns, max_chars=max_length * 16)
+    if rendered is None:
+        return None
+    return _encode(tokenizer, *rendered, max_length)
+
+
+def tokenize_prompt(tokenizer, history: list[dict], max_length: int) -> tuple[list[int], list[int]] | None:
+    """The generation prompt after `history` (ids, mask of the assistant turns in it); None when the template is
+    not prefix-stable or the prompt has max_length tokens or more (no room left to answer)."""
+    rendered = assistant_spans(tokenizer, history, max_chars=max_length * 16)
+    if rendered is None:
+        return None
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    if not text.startswith(rendered[0]):
+        return None
+    ids, mask = _encode(tokenizer, text, rendered[1], max_length + 1)
+    return (ids, mask) if len(ids) < max_length else None
 
 
 def is_validation(turns: list[dict], fraction: float) -> bool:
@@ -83,28 +102,34 @@ def is_validation(turns: list[dict], fraction: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
-def prepare_dataset(tokenizer, conversations: list[list[dict]], out_dir: Path, max_length: int,
-                    min_assistant_tokens: int, val_fraction: float) -> dict:
-    splits: dict[str, list] = {"train": [], "val": []}
-    dropped = {"template": 0, "too_few_assistant_tokens": 0}
-    for turns in tqdm(conversations, desc="prepare: tokenize", unit="conv", mininterval=1.0):
+def split_conversations(conversations: list[list[dict]], val_fraction: float) -> dict[str, list[list[dict]]]:
+    splits: dict[str, list[list[dict]]] = {"train": [], "val": []}
+    for turns in conversations:
+        splits["val" if is_validation(turns, val_fraction) else "train"].append(turns)
+    return splits
+
+
+def tokenize_rows(tokenizer, conversations: list[list[dict]], max_length: int, min_assistant_tokens: int,
+                  dropped: dict[str, int], desc: str) -> list[tuple[list[int], list[int]]]:
+    """Templated, truncated rows; conversations that give none are counted in `dropped` by reason."""
+    rows = []
+    for turns in tqdm(conversations, desc=desc, unit="conv", mininterval=1.0):
         row = tokenize_conversation(tokenizer, turns, max_length)
         if row is None:
-            dropped["template"] += 1
+            dropped["template"] = dropped.get("template", 0) + 1
         elif sum(row[1]) < min_assistant_tokens:
-            dropped["too_few_assistant_tokens"] += 1
+            dropped["too_few_assistant_tokens"] = dropped.get("too_few_assistant_tokens", 0) + 1
         else:
-            splits["val" if is_validation(turns, val_fraction) else "train"].append(row)
-    stats = {"dropped": dropped}
-    for name, rows in splits.items():
-        if not rows:
-            raise ValueError(f"prepare: the {name} split is empty ({len(conversations)} conversations in, "
-                             f"dropped {dropped}); use more data or change data.val_fraction")
-        ts = TokenizedSet.from_rows(rows)
-        ts.save(out_dir / f"{name}.safetensors")
-        stats[name] = {"rows": len(ts), "tokens": int(ts.input_ids.numel()),
-                       "loss_tokens": int(ts.loss_mask.sum())}
-    return stats
+            rows.append(row)
+    return rows
+
+
+def save_split(name: str, ts: TokenizedSet, out_dir: Path, dropped: dict[str, int]) -> dict:
+    if not len(ts):
+        raise ValueError(f"prepare: the {name} split is empty (dropped {dropped}); use more data or change "
+                         "data.val_fraction")
+    ts.save(out_dir / f"{name}.safetensors")
+    return {"rows": len(ts), "tokens": int(ts.input_ids.numel()), "loss_tokens": int(ts.loss_mask.sum())}
 
 
 def prompts_from(ts: TokenizedSet, n: int) -> list[list[int]]:

@@ -30,6 +30,9 @@ class TargetOutputs:
 def target_features(target: Transformer, batch: dict) -> TargetOutputs:
     ids = batch["input_ids"]
     B, T = ids.shape
+    """The frozen target's features: read from the batch when prepare cached them (offline), else computed."""
+    if "features" in batch:
+        return TargetOutputs(batch["features"].to(target.dtype), batch["loss_mask"].bool())
     cache = target.new_cache(B, T)
     positions = torch.arange(T, device=ids.device).expand(B, T)
     out = target.run(ids, cache, positions, no_logits=True)

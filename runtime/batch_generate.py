@@ -1,0 +1,137 @@
+"""Continuous-batching generation, for throughput work such as regenerating a dataset with the target.
+
+`batch_size` rows of one static KV cache decode together; a finished row is refilled with the next request at
+once (prefilled alone through `KVCache.row`), so one long answer never holds the batch back. On 2 CPU cores 16
+rows decode about 8x the tokens/s of one. With `keep_hidden` every completion carries the target's final hidden
+state at every position of prompt + answer: the features drafters train on, at no extra target forwards.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+from torch import Tensor
+
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams, sample, warp
+
+
+@dataclass(frozen=True)
+class Request:
+    key: Hashable  # the caller's handle, returned with the completion
+    prompt: list[int]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    key: Hashable
+    prompt: list[int]
+    tokens: list[int]  # new tokens; ends at the first stop id (included) or after max_new_tokens
+    hidden: Tensor | None  # [len(prompt) + len(tokens), dim] final-norm hidden states, with keep_hidden
+    stopped: bool  # ended on a stop id (False: cut at max_new_tokens)
+
+
+@dataclass
+class _Row:
+    request: Request
+    tokens: list[int]
+    hidden: list[Tensor] = field(default_factory=list)
+    flushing: bool = False  # answer complete; with keep_hidden one more step feeds its last token
+    stop_hit: bool = False
+
+
+class BatchGenerator:
+    def __init__(self, target: Transformer, batch_size: int, params: SamplingParams = SamplingParams(),
+                 stop_ids: tuple[int, ...] = (), keep_hidden: bool = False, max_len: int | None = None,
+                 generator: torch.Generator | None = None):
+        if batch_size < 1:
+            raise ValueError(f"BatchGenerator: batch_size={batch_size}, expected >= 1")
+        self.target, self.params, self.stop, self.keep_hidden = target, params, set(stop_ids), keep_hidden
+        self.generator = generator
+        self.cache = target.new_cache(batch_size, max_len or target.max_seq_len)
+        self.rows: list[_Row | None] = [None] * batch_size
+        self.queue: deque[Request] = deque()
+
+    def submit(self, request: Request) -> None:
+        vocab, n = self.target.config.vocab_size, len(request.prompt)
+        if n == 0 or request.max_new_tokens < 1:
+            raise ValueError(f"request {request.key!r}: empty prompt or max_new_tokens={request.max_new_tokens} < 1")
+        if any(not 0 <= t < vocab for t in request.prompt):
+            raise ValueError(f"request {request.key!r}: prompt ids outside the vocabulary 0..{vocab - 1}")
+        # every new token is fed back once (the last one only to read its hidden state)
+        fed = n + request.max_new_tokens - (0 if self.keep_hidden else 1)
+        if fed > self.cache.max_len:
+            raise ValueError(f"request {request.key!r}: {n} prompt + {request.max_new_tokens} new tokens exceed the "
+                             f"cache length {self.cache.max_len}")
+        self.queue.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.rows)
+
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        """Fill free rows, decode one token in every busy row; return the requests that finished."""
+        done: list[Completion] = []
+        for b, row in enumerate(self.rows):
+            while row is None and self.queue:
+                row = self._prefill(b, self.queue.popleft())
+                if row.flushing and not self.keep_hidden:
+                    done.append(self._finish(b, row))
+                    row = None
+        active = [b for b, r in enumerate(self.rows) if r is not None]
+        if not active:
+            return done
+        cache, device = self.cache, self.target.device
+        tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
+        for b in active:
+            tokens[b, 0] = self.rows[b].tokens[-1]
+        logits, hidden = self.target(tokens, cache, cache.lengths[:, None].clone())
+        cache.advance(1)
+        idle = torch.tensor([r is None for r in self.rows], device=device)
+        cache.lengths.masked_fill_(idle, 0)  # idle rows decode a dummy token at slot 0 and keep nothing
+        next_tokens = self._pick(logits[:, 0]).tolist()
+        for b in active:
+            row = self.rows[b]
+            if self.keep_hidden:
+                row.hidden.append(hidden[b])
+            if row.flushing:  # this step only fed the last token
+                done.append(self._finish(b, row))
+                continue
+            self._append(row, next_tokens[b])
+            if row.flushing and not self.keep_hidden:
+                done.append(self._finish(b, row))
+        return done
+
+    def _prefill(self, b: int, request: Request) -> _Row:
+        view = self.cache.row(b)
+        view.reset()
+        n, device = len(request.prompt), self.target.device
+        ids = torch.tensor([request.prompt], dtype=torch.long, device=device)
+        logits, hidden = self.target(ids, view, torch.arange(n, device=device)[None], last_logits_only=True)
+        view.advance(n)
+        row = _Row(request, [])
+        if self.keep_hidden:
+            row.hidden.append(hidden[0])
+        self._append(row, int(self._pick(logits[:, 0])[0]))
+        self.rows[b] = row
+        return row
+
+    def _append(self, row: _Row, token: int) -> None:
+        row.tokens.append(token)
+        row.stop_hit = token in self.stop
+        row.flushing = row.stop_hit or len(row.tokens) >= row.request.max_new_tokens
+
+    def _pick(self, logits: Tensor) -> Tensor:
+        if self.params.greedy:
+            return logits.argmax(-1)
+        return sample(warp(logits, self.params), self.generator)
+
+    def _finish(self, b: int, row: _Row) -> Completion:
+        self.rows[b] = None
+        self.cache.lengths[b] = 0
+        hidden = torch.cat(row.hidden) if self.keep_hidden else None
+        return Completion(row.request.key, row.request.prompt, row.tokens, hidden, row.stop_hit)

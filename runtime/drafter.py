@@ -52,3 +52,9 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def commit(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
         """Append newly committed tokens [m] and their features [m, H] (or None)."""
+
+    def draft_attention(self) -> torch.Tensor | None:
+        """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as
+        non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix]; None
+        after a commit. Drafters without attention return None (the default), and verification stays dense."""
+        return None

@@ -48,8 +48,11 @@ class EagleModel(nn.Module):
 
     @staticmethod
     def from_target(target: Transformer, head: DraftHead) -> "EagleModel":
-        """Start from the target's last block and an fc that passes the feature through: a drafter that begins
-        as "one more target layer" learns far faster on a CPU budget than a random one."""
+        """Start from the target's last block and an fc that passes the feature through, with the block's two
+        residual-branch outputs (wo, w2) zeroed: the untrained drafter is exactly the identity on the feature.
+        The target's last block fed its own final-norm output instead of its residual stream returns values in
+        the hundreds, which the training-time unroll would feed back into itself; from the identity the
+        branches open gradually, and their inner weights keep the target's head start."""
         m = EagleModel(target.config, target.tok_embeddings.weight, head, target.max_seq_len)
         last = {k: v for k, v in target.layers[-1].state_dict().items() if not k.startswith("attention_norm.")}
         m.block.load_state_dict(last)
@@ -58,6 +61,10 @@ class EagleModel(nn.Module):
             m.fc.weight.zero_()
             m.fc.weight[:, dim:] = torch.eye(dim)
             m.fc.bias.zero_()
+            for out_proj in (m.block.attention.wo, m.block.feed_forward.w2):
+                out_proj.weight.zero_()
+                if out_proj.bias is not None:
+                    out_proj.bias.zero_()
         return m.to(target.dtype)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -67,20 +74,35 @@ class EagleModel(nn.Module):
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, slots: Tensor,
                 n_live: int, mask: Tensor | None) -> Tensor:
         """tokens, positions [B, T], features [B, T, H] -> predicted next features [B, T, H]."""
+        return self.step(tokens, features, positions, cache, slots, n_live, mask)[0]
+
+    def step(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, slots: Tensor | None,
+             n_live: int, mask: Tensor | None, want_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """forward, plus the block's attention weights [B, heads, T, n_live] over cache slots if `want_weights`."""
         x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
         cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
         b = self.block
-        h, _ = b.attention(b.attention_norm(x), 0, cache, slots, n_live, mask, cos, sin, False)
+        h, weights = b.attention(b.attention_norm(x), 0, cache, slots, n_live, mask, cos, sin, want_weights)
         x = x + h
-        return x + b.feed_forward(b.ffn_norm(x))
+        return x + b.feed_forward(b.ffn_norm(x)), weights
 
     def causal(self, tokens: Tensor, features: Tensor, cache: KVCache) -> Tensor:
         """Append pairs after each sequence's committed length (causal among themselves); no advance."""
+        return self.causal_step(tokens, features, cache)[0]
+
+    def causal_step(self, tokens: Tensor, features: Tensor, cache: KVCache,
+                    want_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         T = tokens.shape[1]
         positions = cache.lengths[:, None] + 1 + torch.arange(T, device=tokens.device)
         n_live = int(cache.lengths.max()) + T
         mask = attention_mask(cache.lengths, positions, n_live, None)
-        return self(tokens, features, positions, cache, cache.slots(T), n_live, mask)
+        return self.step(tokens, features, positions, cache, cache.slots(T), n_live, mask, want_weights)
+
+
+def on_target_keys(draft_weights: Tensor) -> Tensor:
+    """Draft attention over cache slots [..., S] -> over target key positions [..., S + 1]. Slot s holds the pair
+    (x_{s+1}, f_s), i.e. stands for target key s+1; target key 0 has no pair and gets weight 0."""
+    return F.pad(draft_weights, (1, 0))
 
 
 class EagleDrafter(Drafter):
@@ -91,17 +113,20 @@ class EagleDrafter(Drafter):
         self.vocab_size = model.head.vocab_size
         self.cache = model.new_cache(1, max_len)
         self.pending: list[tuple[Tensor, Tensor]] = []  # committed pairs not yet in the drafter cache
+        self.attention: Tensor | None = None  # [1, heads, prefix] of the last propose, see draft_attention
 
     def reset(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel() - 1:
             raise ValueError("EagleDrafter.reset needs one target feature per token but the last")
         self.cache.reset()
         self.pending = [(tokens[1:], features)]
+        self.attention = None
 
     def commit(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel():
             raise ValueError("EagleDrafter.commit needs one target feature per committed token")
         self.pending.append((tokens, features))
+        self.attention = None  # its prefix is the one before this commit
 
     @torch.inference_mode()
     def propose(self, budget: DraftBudget, params: SamplingParams,
@@ -109,10 +134,14 @@ class EagleDrafter(Drafter):
         m, head = self.model, self.model.head
         toks = torch.cat([t for t, _ in self.pending]).long()
         feats = torch.cat([f for _, f in self.pending])
-        out = m.causal(toks[None], feats[None], self.cache)[0]
+        out, weights = m.causal_step(toks[None], feats[None], self.cache, want_weights=True)
+        out = out[0]
         self.cache.advance(toks.numel())
         self.pending = []
         n = int(self.cache.lengths[0])  # pairs in the cache == position of the root token
+        # the root's and every expanded node's attention on slots 0..n-2: the target's prefix keys 1..n-1 (slot n-1
+        # is the root itself, a token the target verifies rather than reads from its cache)
+        prefix_weights = weights[0, :, -1, : n - 1].clone()
         row_feature = {0: out[-1]}
         slots = TreeSlots(prefix_len=n, root_position=n, device=toks.device)
 
@@ -120,10 +149,18 @@ class EagleDrafter(Drafter):
             tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=toks.device)
             parent_feats = torch.stack([row_feature[c.parents[i] + 1] for i in nodes])[None]
             s, pos, mask = slots.place(c, nodes)
-            f = m(tokens, parent_feats, pos, self.cache, s, mask.shape[-1], mask)[0]
+            f, w = m.step(tokens, parent_feats, pos, self.cache, s, mask.shape[-1], mask, want_weights=True)
+            prefix_weights.add_(w[0, :, :, : n - 1].sum(1))
+            f = f[0]
             for i, node in enumerate(nodes):
                 row_feature[node + 1] = f[i]
             return head.to_target(tree_probs(head(f), params))
 
         root = head.to_target(tree_probs(head(out[-1]), params))
-        return grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy)
+        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy)
+        self.attention = on_target_keys(prefix_weights)[None]
+        return tree
+
+    def draft_attention(self) -> Tensor | None:
+        """Sums of the root's and the expanded nodes' attention rows (one draft layer, per head)."""
+        return self.attention

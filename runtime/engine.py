@@ -3,17 +3,23 @@
 Without a drafter every step is a one-token tree-less verify, i.e. plain autoregressive decoding through the
 same model, cache and verifier -- the baseline speculative decoding is measured against. Greedy output is
 token-for-token that of plain decoding; sampled output has the target's distribution (runtime.verify).
+
+With `EngineConfig.sparse` (SpecAttn) the verify forward reads, in the mapped layers, only the prefix keys the
+drafter's attention selects (runtime.attention.kept_keys). The output is then that of the *sparse* target: lossy
+w.r.t. the dense target by design (calibrate bounds the perplexity change); top_p = 1.0 equals dense exactly.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
 from runtime.drafter import DraftBudget, Drafter
 from runtime.model import Transformer
+from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 from runtime.verify import verify
@@ -28,6 +34,9 @@ class EngineConfig:
     ema_decay: float = 0.7  # weight of the past in the moving average of accepted tokens per step
     warmup_steps: int = 8  # speculative steps before the fallback rule may fire
     fallback_tau: float = 1.3  # below this average of tokens per target forward, decode plainly
+    sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
+    kv_scheme: str | None = None  # quantised KV history (runtime.quant_kv_cache): int8 | int4 | hier-int4
+    kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
 
     def __post_init__(self):
         if not isinstance(self.budget, DraftBudget):
@@ -41,6 +50,14 @@ class EngineConfig:
         if self.warmup_steps < 0 or self.fallback_tau < 0:
             raise ValueError(f"EngineConfig: warmup_steps={self.warmup_steps} and fallback_tau={self.fallback_tau} "
                              "must be >= 0")
+        if self.sparse is not None and not isinstance(self.sparse, SpecAttnConfig):
+            raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
+        if self.kv_scheme is not None:
+            KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        return None if self.kv_scheme is None else KVQuant(self.kv_scheme, self.kv_recent)
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,7 @@ class Metrics:
     tokens_per_s: float  # new tokens / total_s (prefill included)
     fell_back: bool
     fallback_step: int | None  # target forward at which speculation stopped
+    kv_saved: float  # share of the decode/verify forwards' KV reads (layers x kv heads x keys) sparsity skipped
 
 
 @dataclass(frozen=True)
@@ -79,8 +97,15 @@ class Engine:
         if drafter is not None and drafter.vocab_size != vocab:
             raise ValueError(f"drafter vocab_size {drafter.vocab_size} != target vocab_size {vocab}: a drafter "
                              "must propose tokens of the target's vocabulary")
+        if cfg.sparse is not None and (drafter is None or len(cfg.sparse.layer_map) != target.config.n_layers):
+            raise ValueError(f"EngineConfig.sparse needs a drafter and a layer map with one entry per target layer "
+                             f"({target.config.n_layers}), got {len(cfg.sparse.layer_map)}")
         self.target, self.drafter, self.cfg = target, drafter, cfg
-        self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len)
+        quant, c = cfg.kv_quant, target.config
+        self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len) if quant is None else QuantizedKVCache(
+            c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
+        if hasattr(drafter, "cache"):  # EAGLE and LM keep a KV cache of their own: same scheme, drafter reader
+            drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
@@ -106,6 +131,8 @@ class Engine:
         stopped = root in stop
         while len(out) < max_new_tokens and not stopped:
             room = min(cfg.max_seq_len - int(cache.lengths[0]) - 1, max_new_tokens - len(out) - 1)
+            if isinstance(cache, QuantizedKVCache):  # one quantisation boundary per verify keeps it lossless
+                room = min(room, cache.exact_depth())
             tree = DraftTree.empty(device)
             if speculating and room > 0:
                 tree = drafter.propose(stats.budget(room), params, generator)
@@ -116,7 +143,10 @@ class Engine:
             length = cache.lengths[0]
             tokens = torch.cat([torch.tensor([root], device=device), tree.tokens])[None]
             positions = length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths()])[None]
-            logits, hidden = target(tokens, cache, positions, tree.ancestor_mask() if len(tree) else None)
+            keep = self._sparse_keep(tokens.shape[1]) if cfg.sparse is not None and len(tree) else None
+            logits, hidden = target(tokens, cache, positions, tree.ancestor_mask() if len(tree) else None,
+                                    kv_keep=keep)
+            stats.count_reads(keep, int(length) + tokens.shape[1], target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             stats.verify_s += clock.lap()
 
@@ -138,6 +168,19 @@ class Engine:
         first_stop = next((i for i, t in enumerate(out) if t in stop), None)
         out = out[: max_new_tokens if first_stop is None else min(first_stop + 1, max_new_tokens)]
         return Generation(out, stats.metrics(n, len(out), prefill_s, clock.total()))
+
+    def _sparse_keep(self, n_new: int) -> list[torch.Tensor | None] | None:
+        """Per target layer, the keys [1, Hkv, 1, prefix + n_new] this verify reads (SpecAttn); None: all dense."""
+        sparse, prefix = self.cfg.sparse, int(self.cache.lengths[0])
+        attention = self.drafter.draft_attention()
+        if attention is None or attention.shape[-1] != prefix:
+            got = None if attention is None else tuple(attention.shape)
+            raise ValueError(f"sparse verification needs the drafter's attention over the {prefix} committed keys; "
+                             f"{type(self.drafter).__name__}.draft_attention() gave {got}")
+        keep = kept_keys(attention[:, :, None], torch.tensor([prefix], device=attention.device), prefix + n_new,
+                         self.target.config.n_kv_heads, sparse.top_p, sparse.sink, sparse.recent)
+        layers = sparse.layer_keep(keep)
+        return None if all(k is None for k in layers) else layers
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return hidden if self.drafter is not None and self.drafter.needs_features else None
@@ -186,6 +229,7 @@ class _Stats:
         self.taken = [0] * cfg.budget.depth  # of those, steps that accepted a node at depth d+1
         self.ema_accepted = float(cfg.budget.depth)  # optimistic start: draft fully until evidence says not to
         self.fallback_step: int | None = None
+        self.kv_reads = self.kv_dense_reads = 0
 
     def budget(self, room: int) -> DraftBudget:
         b, cfg = self.cfg.budget, self.cfg
@@ -210,6 +254,16 @@ class _Stats:
                 self.taken[d] += d < len(accepted)
         self.ema_accepted = self.cfg.ema_decay * self.ema_accepted + (1 - self.cfg.ema_decay) * len(accepted)
 
+    def count_reads(self, keep: list[torch.Tensor | None] | None, n_live: int, n_layers: int, n_kv_heads: int) -> None:
+        """One verify forward: every layer's kv heads read each live key, sparse layers only the kept ones."""
+        if keep is None:
+            reads = dense = n_layers * n_kv_heads * n_live
+        else:
+            device = next(k.device for k in keep if k is not None)
+            reads, dense = kv_reads(keep, torch.ones(1, n_live, dtype=torch.bool, device=device), n_kv_heads)
+        self.kv_reads += reads
+        self.kv_dense_reads += dense
+
     def should_fall_back(self) -> bool:
         cfg = self.cfg
         if cfg.adaptive and self.spec_steps >= cfg.warmup_steps and 1 + self.ema_accepted < cfg.fallback_tau:
@@ -225,4 +279,5 @@ class _Stats:
             draft_nodes=self.draft_nodes, prefill_s=prefill_s, draft_s=self.draft_s, verify_s=self.verify_s,
             rollback_s=self.rollback_s, rollback_share=self.rollback_s / total_s, total_s=total_s,
             tokens_per_s=new_tokens / total_s,
-            fell_back=self.fallback_step is not None, fallback_step=self.fallback_step)
+            fell_back=self.fallback_step is not None, fallback_step=self.fallback_step,
+            kv_saved=1 - self.kv_reads / self.kv_dense_reads if self.kv_dense_reads else 0.0)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.attention import attention_weights, pick_backend
 from runtime.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
@@ -120,6 +121,14 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
+class NoCache:
+    """Stands in for KVCache where a forward keeps no state: attention reads this step's own keys and values
+    ([B, kv_heads, T, head_dim]), so training has no in-place writes and an exported graph no cache buffers."""
+
+    def write(self, layer: int, slots: None, k: Tensor, v: Tensor, n_live: int) -> tuple[Tensor, Tensor]:
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -186,7 +195,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Tensor | None,
-                cos: Tensor, sin: Tensor, want_weights: bool) -> tuple[Tensor, Tensor | None]:
+                cos: Tensor, sin: Tensor, want_weights: bool,
+                keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """keep [B, Hkv, 1|T, n_live]: SpecAttn's keys per kv head (runtime.attention), None: every key."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -195,19 +206,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
         keys, values = cache.write(layer, slots, k, v, n_live)
-        # grouped-query attention without repeating KV: fold each group's query heads into the row axis
-        G = H // Hkv
-        qg = q.transpose(1, 2).reshape(B, Hkv, G * T, D)
-        mask_g = None if mask is None else mask.repeat(1, 1, G, 1)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask_g)
-        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-        weights = None
-        if want_weights:
-            scores = qg @ keys.transpose(-1, -2) / math.sqrt(D)
-            if mask_g is not None:
-                scores = scores.masked_fill(~mask_g, float("-inf"))
-            weights = scores.softmax(-1).view(B, H, T, n_live)
-        return self.wo(out), weights
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        out = pick_backend(x.device)(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
+        return self.wo(out), attention_weights(q, keys, mask) if want_weights else None
 
 
 class FeedForward(nn.Module):
@@ -269,14 +270,16 @@ class Transformer(nn.Module):
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None,
-                *, last_logits_only: bool = False) -> tuple[Tensor, Tensor]:
+                *, last_logits_only: bool = False, kv_keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
         """tokens, positions [B, T] -> (logits [B, T, V] or [B, 1, V], hidden [B, T, dim]). Writes KV at
-        cache.lengths + t but does not advance: the caller decides what is committed."""
-        out = self.run(tokens, cache, positions, tree_mask, last_logits_only=last_logits_only)
+        cache.lengths + t but does not advance: the caller decides what is committed. kv_keep: per layer the keys
+        sparse (SpecAttn) verification reads, see Attention.forward; None: dense."""
+        out = self.run(tokens, cache, positions, tree_mask, last_logits_only=last_logits_only, kv_keep=kv_keep)
         return out.logits, out.hidden
 
     def run(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None, *,
-            taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False) -> ForwardOutput:
+            taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False,
+            kv_keep: list[Tensor | None] | None = None) -> ForwardOutput:
         B, T = tokens.shape
         if cache.batch != B:
             raise ValueError(f"tokens have batch {B} but the cache was built for batch {cache.batch}")
@@ -285,12 +288,29 @@ class Transformer(nn.Module):
         slots = cache.slots(T)
         n_live = int(cache.lengths.max()) + T
         mask = attention_mask(cache.lengths, positions, n_live, tree_mask, self.config.sliding_window)
+        return self.run_placed(tokens, cache, positions, slots, n_live, mask, taps=taps,
+                               last_logits_only=last_logits_only, no_logits=no_logits, kv_keep=kv_keep)
+
+    def run_uncached(self, tokens: Tensor, *, no_logits: bool = False) -> ForwardOutput:
+        """Whole sequences [B, T] at positions 0..T-1, causal, keeping no KV: training (autograd cannot go through
+        the cache's in-place writes of every layer) and cache-free export."""
+        B, T = tokens.shape
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        empty = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        mask = attention_mask(empty, positions, T, None, self.config.sliding_window)
+        return self.run_placed(tokens, NoCache(), positions, None, T, mask, no_logits=no_logits)
+
+    def run_placed(self, tokens: Tensor, cache: "KVCache | NoCache", positions: Tensor, slots: Tensor | None,
+                   n_live: int, mask: Tensor | None, *, taps: Taps = Taps(), last_logits_only: bool = False,
+                   no_logits: bool = False, kv_keep: list[Tensor | None] | None = None) -> ForwardOutput:
+        """run() with the KV slots and the attention mask [B, 1, T, n_live] chosen by the caller: draft trees
+        keep their nodes' KV where runtime.dynamic_tree.TreeSlots puts them, and each node sees its ancestors only."""
         cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
         x = self.tok_embeddings(tokens)
         out = ForwardOutput(None, x)
         for i, block in enumerate(self.layers):
             h, weights = block.attention(block.attention_norm(x), i, cache, slots, n_live, mask, cos, sin,
-                                         i in taps.attention_layers)
+                                         i in taps.attention_layers, None if kv_keep is None else kv_keep[i])
             x = x + h
             x = x + block.feed_forward(block.ffn_norm(x))
             if weights is not None:
@@ -367,3 +387,52 @@ def load_hf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, Tensor]:
     if hf:
         raise ValueError(f"{path}: unexpected weights for a {cfg.arch} model: {sorted(hf)[:5]}")
     return sd
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json fields for HF transformers: the inverse of ModelConfig.from_hf."""
+    s = cfg.rope_scaling
+    rope = {"rope_type": s.kind, "rope_theta": cfg.rope_theta}
+    if s.kind != "default":
+        rope["factor"] = s.factor
+    if s.kind == "llama3":
+        rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position)
+    hf = {"model_type": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+          "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.norm_eps,
+          "hidden_act": "silu", "rope_parameters": rope, "max_position_embeddings": cfg.max_position_embeddings,
+          "tie_word_embeddings": cfg.tie_embeddings, "mlp_bias": cfg.mlp_bias}
+    if cfg.arch != "qwen2":  # qwen2's q/k/v biases are implied by the architecture
+        hf["attention_bias"] = cfg.o_bias
+    if cfg.arch == "mistral":
+        hf["sliding_window"] = cfg.sliding_window
+    return hf
+
+
+def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """The inverse of load_hf_state_dict: this module's weights under HF names, q/k/v and gate/up split again.
+    A tied lm_head is left out, as HF checkpoints store it once (as the embedding)."""
+    cfg, sd = model.config, model.state_dict()
+    q_kv = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+    hf = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_embeddings:
+        hf["lm_head.weight"] = sd["output.weight"]
+    for i in range(cfg.n_layers):
+        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        hf[f"model.layers.{i}.input_layernorm.weight"] = sd[p + "attention_norm.weight"]
+        hf[f"model.layers.{i}.post_attention_layernorm.weight"] = sd[p + "ffn_norm.weight"]
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            for name, t in zip("qkv", sd[p + f"attention.wqkv.{kind}"].split(q_kv)):
+                hf[a + f"{name}_proj.{kind}"] = t
+        hf[a + "o_proj.weight"] = sd[p + "attention.wo.weight"]
+        if cfg.o_bias:
+            hf[a + "o_proj.bias"] = sd[p + "attention.wo.bias"]
+        if cfg.qk_norm:
+            hf[a + "q_norm.weight"] = sd[p + "attention.q_norm.weight"]
+            hf[a + "k_norm.weight"] = sd[p + "attention.k_norm.weight"]
+        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+            gate, up = sd[p + f"feed_forward.w13.{kind}"].chunk(2)
+            hf[m + f"gate_proj.{kind}"], hf[m + f"up_proj.{kind}"] = gate, up
+            hf[m + f"down_proj.{kind}"] = sd[p + f"feed_forward.w2.{kind}"]
+    return {k: v.contiguous() for k, v in hf.items()}

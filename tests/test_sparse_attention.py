@@ -1,0 +1,183 @@
+"""Attention backends and SpecAttn sparse verification: registry, exactness of the sparse path, minimal top-p
+key sets, the EAGLE draft attention's alignment, and the engine verifying sparsely."""
+import pytest
+import torch
+
+from runtime.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
+from runtime.drafter import DraftBudget, Drafter
+from runtime.eagle import EagleDrafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+from train import recipes
+
+N_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    # 4 query heads over 2 kv heads: the kept sets are per kv head, shared by its query heads
+    return Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=N_LAYERS, initializer_range=0.3),
+                                       max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def eagle(target):
+    return recipes.build_eagle(target, None).eval()  # "one more target layer": untrained, but it attends
+
+
+def test_registry_picks_sdpa_on_cpu_and_honours_an_override(monkeypatch, target):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert pick_backend(torch.device("cpu")).name == "sdpa"
+
+    class Counting(SdpaBackend):
+        name = "counting"
+        calls = 0
+
+        def __call__(self, *args):
+            Counting.calls += 1
+            return super().__call__(*args)
+
+    monkeypatch.setitem(BACKENDS, "counting", Counting())
+    assert pick_backend(torch.device("cpu")).name == "sdpa"  # not in the automatic order: only when named
+    assert pick_backend(torch.device("cpu"), "counting").name == "counting"
+    monkeypatch.setenv(BACKEND_ENV, "counting")
+    target(torch.tensor([[1, 2, 3]]), target.new_cache(), torch.arange(3)[None])
+    assert Counting.calls == N_LAYERS  # the model's attention goes through the interface
+    monkeypatch.setenv(BACKEND_ENV, "nope")
+    with pytest.raises(ValueError, match="'nope' is not available"):
+        pick_backend(torch.device("cpu"))
+
+
+def reference_attention(q, keys, values, mask, keep):
+    """Per query head, repeating kv heads: softmax over the keys both `mask` and `keep` allow."""
+    G = q.shape[1] // keys.shape[1]
+    allowed = mask & keep.repeat_interleave(G, dim=1)
+    scores = (q @ keys.repeat_interleave(G, 1).transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values.repeat_interleave(G, 1)
+
+
+def test_sdpa_sparse_equals_reference_and_keep_all_equals_dense():
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, S, D = 2, 6, 3, 4, 13, 8
+    q, keys, values = (torch.randn(*shape, generator=g) for shape in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    mask = torch.rand(B, 1, T, S, generator=g) > 0.3
+    mask[..., 0] = True
+    sdpa = BACKENDS["sdpa"]
+    for rows in (1, T):  # one kept set for every query (serving) or one per query (teacher-forced calibration)
+        keep = torch.rand(B, Hkv, rows, S, generator=g) > 0.5
+        keep[..., 0] = True
+        torch.testing.assert_close(sdpa(q, keys, values, mask, keep), reference_attention(q, keys, values, mask, keep))
+        assert torch.equal(sdpa(q, keys, values, mask, torch.ones_like(keep)), sdpa(q, keys, values, mask, None))
+
+
+def sort_based_topp(w: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep-mask of the smallest set of largest weights whose mass reaches p (w has no ties)."""
+    order = w.sort(-1, descending=True)
+    before = order.values.cumsum(-1) - order.values  # mass of the strictly larger weights
+    return torch.zeros_like(w, dtype=torch.bool).scatter(-1, order.indices, before < p)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.7, 0.95])
+def test_kept_keys_are_the_minimal_set_reaching_p_plus_the_always_kept(p):
+    g = torch.Generator().manual_seed(1)
+    Ld, H, Hkv, R, P, n_new, sink, recent = 2, 4, 2, 3, 40, 5, 2, 3
+    att = torch.rand(Ld, H, R, P, generator=g) ** 4
+    keep = kept_keys(att, torch.full((R,), P), P + n_new, Hkv, p, sink, recent)
+    assert keep.shape == (Ld, Hkv, R, P + n_new)
+    w = att.view(Ld, Hkv, 2, R, P).mean(2)[..., sink:P - recent]  # sinks' and recent keys' mass does not count
+    expected = torch.ones(Ld, Hkv, R, P, dtype=torch.bool)
+    expected[..., sink:P - recent] = sort_based_topp(w / w.sum(-1, keepdim=True), p)
+    assert torch.equal(keep[..., :P], expected)
+    assert keep[..., P:].all()  # the tokens being verified
+    assert (keep[..., :P].sum(-1) < P).all()  # it does select
+
+    assert kept_keys(att, torch.full((R,), P), P + n_new, Hkv, 1.0, 0, 0).all()
+    # per-row prefixes (teacher forcing): keys at or beyond a row's prefix are the row's own tokens, always kept
+    rows = kept_keys(att, torch.tensor([10, 25, 40]), P, Hkv, p, 0, 0)
+    assert rows[:, :, 0, 10:].all() and rows[:, :, 1, 25:].all() and not rows[:, :, 2].all()
+
+
+def tree(*parents):
+    return DraftTree(torch.arange(5, 5 + len(parents)), torch.tensor(parents))
+
+
+def test_model_keep_all_equals_dense_bit_for_bit(target):
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2))
+    t = tree(-1, 0, 0, 1)
+    outputs = []
+    for keep_all in (False, True):
+        cache = target.new_cache()
+        target(ids, cache, torch.arange(30)[None])
+        cache.advance(30)
+        tokens = torch.cat([torch.tensor([7]), t.tokens])[None]
+        keep = [None, None] + [torch.ones(1, 2, 1, 35, dtype=torch.bool)] * (N_LAYERS - 2) if keep_all else None
+        outputs.append(target(tokens, cache, 30 + torch.cat([torch.tensor([0]), t.depths()])[None],
+                              t.ancestor_mask(), kv_keep=keep)[0])
+    assert torch.equal(*outputs)
+
+
+def test_eagle_draft_attention_is_aligned_to_target_keys(target, eagle):
+    prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3))
+    cache = target.new_cache()
+    _, hidden = target(prompt[None], cache, torch.arange(20)[None])
+    drafter = EagleDrafter(eagle, 128)
+    drafter.reset(torch.cat([prompt, torch.tensor([9])]), hidden[0])
+    assert drafter.draft_attention() is None
+    drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())  # depth 1: the root query alone
+    att = drafter.draft_attention()
+    assert att.shape == (1, 4, 20) and (att[..., 0] == 0).all()
+    # the root pair (x_20, f_19) sits in slot 19; slots 0..18 stand for target keys 1..19
+    _, w = eagle.causal_step(torch.cat([prompt[1:], torch.tensor([9])])[None], hidden, eagle.new_cache(1, 20),
+                             want_weights=True)
+    torch.testing.assert_close(att[0, :, 1:], w[0, :, -1, :19])
+    drafter.commit(torch.tensor([9]), hidden[0, :1])
+    assert drafter.draft_attention() is None
+
+
+def test_engine_sparse_verification(target, eagle):
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    layer_map = (-1, -1, 0, 0)
+    budget = DraftBudget(depth=3, width=2, nodes=5)
+
+    def generate(sparse):
+        engine = Engine(target, EagleDrafter(eagle, 128), EngineConfig(max_seq_len=128, budget=budget, sparse=sparse))
+        return engine.generate(prompt, 16, SamplingParams())
+
+    dense = generate(None)
+    assert dense.metrics.kv_saved == 0.0
+    full = generate(SpecAttnConfig(layer_map, top_p=1.0))
+    assert full.tokens == dense.tokens and full.metrics.kv_saved == 0.0
+    sparse = generate(SpecAttnConfig(layer_map, top_p=0.5, sink=1, recent=2))
+    assert 0 < sparse.metrics.kv_saved < 0.5  # two of four layers stay dense
+    assert generate(SpecAttnConfig(layer_map, top_p=0.5, dense_first=N_LAYERS)).metrics.kv_saved == 0.0
+
+
+def test_engine_sparse_settings_are_checked(target, eagle):
+    with pytest.raises(ValueError, match="top_p"):
+        SpecAttnConfig((0,) * N_LAYERS, top_p=0.0)
+    with pytest.raises(ValueError, match="one entry per target layer"):
+        Engine(target, EagleDrafter(eagle, 128), EngineConfig(max_seq_len=128, sparse=SpecAttnConfig((0,), 0.9)))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, None, EngineConfig(max_seq_len=128, sparse=SpecAttnConfig((0,) * N_LAYERS, 0.9)))
+
+    class OneToken(Drafter):  # proposes one node and has no attention to share
+        vocab_size = 96
+
+        def reset(self, tokens, features):
+            pass
+
+        def commit(self, tokens, features):
+            pass
+
+        def propose(self, budget, params, generator=None):
+            return DraftTree.chain(torch.tensor([5]))
+
+    sparse = EngineConfig(max_seq_len=128, sparse=SpecAttnConfig((0,) * N_LAYERS, 0.9))
+    with pytest.raises(ValueError, match="OneToken.draft_attention"):
+        Engine(target, OneToken(), sparse).generate([1, 2, 3], 8)
+    config = SpecAttnConfig((-1, 0, 0, 0), 0.8, dense_first=1, recent=4)
+    assert SpecAttnConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="layer_map, top_p"):
+        SpecAttnConfig.from_json('{"top_p": 0.9}')

@@ -4,6 +4,8 @@ The exported step is what a serving stack without our runtime needs to draft:
   eagle:  input_ids [B, T], features [B, T, H] -> next features [B, T, H], draft logits [B, T, Vd]
           (pairs at positions 1..T, causal among themselves: EagleModel.causal on an empty cache)
   medusa: features [B, T, H] -> logits [B, T, K, Vd]
+  lm:     input_ids [B, T] -> logits [B, T, V] (the small LM's own forward at positions 0..T-1, causal; its
+          reduced draft vocabulary, if any, is a row selection the caller applies)
 Batch and sequence axes are dynamic; weights are stored inside the one .onnx file so the bundle's sha256 of
 that file covers them.
 """
@@ -16,20 +18,12 @@ from torch import Tensor, nn
 
 from runtime.eagle import EagleModel
 from runtime.medusa import MedusaHeads
-from runtime.model import attention_mask
+from runtime.model import NoCache, Transformer, attention_mask
 
 ONNX_FILE = "drafter.onnx"
-KINDS = ("eagle", "medusa")
-INPUT_NAMES = {"eagle": ("input_ids", "features"), "medusa": ("features",)}
-OUTPUT_NAMES = {"eagle": ("next_features", "logits"), "medusa": ("logits",)}
-
-
-class _NoCache:
-    """Stands in for KVCache in Attention.forward: returns this step's own keys and values as the live ones
-    ([B, kv_heads, T, head_dim]), so the exported graph carries no cache buffers and no data-dependent length."""
-
-    def write(self, layer: int, slots: None, k: Tensor, v: Tensor, n_live: int) -> tuple[Tensor, Tensor]:
-        return k.transpose(1, 2), v.transpose(1, 2)
+KINDS = ("eagle", "medusa", "lm")
+INPUT_NAMES = {"eagle": ("input_ids", "features"), "medusa": ("features",), "lm": ("input_ids",)}
+OUTPUT_NAMES = {"eagle": ("next_features", "logits"), "medusa": ("logits",), "lm": ("logits",)}
 
 
 class EagleStep(nn.Module):
@@ -44,13 +38,24 @@ class EagleStep(nn.Module):
         positions = torch.arange(1, T + 1, device=input_ids.device).expand(B, T)
         empty = torch.zeros(B, dtype=torch.long, device=input_ids.device)
         mask = attention_mask(empty, positions, T, None)
-        next_features = self.model(input_ids, features, positions, _NoCache(), None, T, mask)
+        next_features = self.model(input_ids, features, positions, NoCache(), None, T, mask)
         return next_features, self.model.head(next_features)
+
+
+class LMStep(nn.Module):
+    """The LM drafter's forward over whole sequences without a KV cache (Transformer.run_uncached)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model.run_uncached(input_ids).logits
 
 
 def drafter_step(drafter: nn.Module, kind: str) -> nn.Module:
     """The module that is exported (and that parity is measured against) for a drafter of `kind`, in eval mode."""
-    expected = {"eagle": EagleModel, "medusa": MedusaHeads}
+    expected = {"eagle": EagleModel, "medusa": MedusaHeads, "lm": Transformer}
     if kind not in expected:
         raise ValueError(f"ONNX export: kind {kind!r} is not one of {KINDS}")
     if not isinstance(drafter, expected[kind]):
@@ -59,7 +64,8 @@ def drafter_step(drafter: nn.Module, kind: str) -> nn.Module:
     dtype = next(drafter.parameters()).dtype
     if dtype != torch.float32:  # onnxruntime's CPU kernels (and numpy, for parity) have no bfloat16
         raise ValueError(f"ONNX export: the drafter is {dtype}, expected torch.float32 (cast it with .float())")
-    return (EagleStep(drafter) if kind == "eagle" else drafter).eval()
+    step = {"eagle": EagleStep, "lm": LMStep}.get(kind)  # medusa's heads are their own step
+    return (step(drafter) if step else drafter).eval()
 
 
 def example_inputs(drafter: nn.Module, kind: str, batch: int, seq: int, seed: int = 0) -> dict[str, Tensor]:
@@ -69,6 +75,8 @@ def example_inputs(drafter: nn.Module, kind: str, batch: int, seq: int, seed: in
     if kind == "eagle":
         return {"input_ids": torch.randint(0, drafter.embed_weight.shape[0], (batch, seq), generator=g),
                 "features": torch.randn(batch, seq, drafter.cfg.dim, generator=g)}
+    if kind == "lm":
+        return {"input_ids": torch.randint(0, drafter.config.vocab_size, (batch, seq), generator=g)}
     return {"features": torch.randn(batch, seq, drafter.cfg.hidden_size, generator=g)}
 
 

@@ -22,7 +22,6 @@ BUNDLE_DIR = "bundle"
 CALIBRATION_SUFFIXES = (".json", ".png")  # calibrate's reports (layer_map.json, quant.json, plots)
 # Parity runs at other shapes than the export's example, so a dynamic axis baked into a constant fails it.
 ONNX_EXPORT_SHAPE, ONNX_PARITY_SHAPE = (2, 4), (1, 7)
-ONNX_MODULE = {"eagle": "model", "medusa": "heads"}  # the runtime drafter's attribute holding the exported module
 
 
 def code_version() -> str:
@@ -59,16 +58,16 @@ def data_digest(store: RunStore) -> str:
 
 def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path) -> dict:
     """Export the bundle's drafter step to `out` and check it against onnxruntime; raise if parity fails."""
-    from export.onnx_export import check_onnx_parity, example_inputs, export_onnx
-    from runtime.drafters import build_drafter
+    from export.onnx_export import KINDS, check_onnx_parity, example_inputs, export_onnx
+    from runtime.drafters import drafter_module
     from runtime.model import Transformer
 
     bundle = read_bundle(bundle_dir, fingerprint)
-    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
-    drafter = build_drafter(bundle, target, max_len=64)
-    if bundle.kind not in ONNX_MODULE:
+    if bundle.kind not in KINDS:
         raise DraftsmithError(f"export.onnx: drafter kind {bundle.kind!r} has no ONNX step (set export.onnx=false)")
-    module = getattr(drafter, ONNX_MODULE[bundle.kind])
+    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    # the trained module as the bundle reader rebuilds it, before the runtime prepacks its weights for CPU
+    module = drafter_module(bundle.drafter_config, target, bundle.tensors(), max_len=64)
     record = export_onnx(module, bundle.kind, example_inputs(module, bundle.kind, *ONNX_EXPORT_SHAPE), out)
     parity = check_onnx_parity(module, bundle.kind, out, example_inputs(module, bundle.kind, *ONNX_PARITY_SHAPE,
                                                                         seed=1))

@@ -2,9 +2,10 @@
 
 Every number comes from one process on the same prompts: our speculative engine, our autoregressive engine
 (the same model, cache and verifier without a drafter) and HF transformers `generate`, each warmed up once
-before timing. Greedy losslessness (speculative tokens == autoregressive tokens) is always measured, so
-temperature 0 is added when the config lists only sampling temperatures. Headline metrics are the worst case
-over the temperatures measured; the gate reads them.
+before timing; for an lm drafter also HF assisted generation (`generate(assistant_model=...)`, HF's own
+speculative decoding) driving the same drafter LM converted to an HF model. Greedy losslessness (speculative
+tokens == autoregressive tokens) is always measured, so temperature 0 is added when the config lists only
+sampling temperatures. Headline metrics are the worst case over the temperatures measured; the gate reads them.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ REPORT_JSON, REPORT_MD = "report.json", "report.md"
 ACCEPTANCE_PNG, SPEEDUP_PNG = "acceptance_by_depth.png", "speedup.png"
 METHODS = ("spec", "ar", "hf")  # our speculative engine, our autoregressive engine, HF generate
 HEADLINE = ("tau", "speedup", "speedup_hf", "tokens_per_s", "tokens_per_s_ar", "tokens_per_s_hf")  # worst case
+ASSISTED = "hf_assisted"  # lm drafters only: HF assisted generation driving the same drafter LM
+ASSISTED_HEADLINE = ("speedup_hf_assisted", "tokens_per_s_hf_assisted")
 
 Generate = Callable[[list[int], SamplingParams, torch.Generator], tuple[list[int], Metrics | None]]
 
@@ -78,6 +81,20 @@ def gate_reasons(metrics: dict, gate: GateCfg) -> list[str]:
     return reasons
 
 
+def hf_causal_lm(model):
+    """An HF transformers causal LM with the weights of our `model` (runtime.model.Transformer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.model import hf_config, hf_state_dict
+
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config(model.config)), dtype=model.dtype)
+    weights = hf_state_dict(model)
+    if model.config.tie_embeddings:  # HF's module lists the tied lm_head under its own name too
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    hf.load_state_dict(weights, strict=True)
+    return hf.eval()
+
+
 def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[float]) -> dict:
     """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
     from transformers import AutoModelForCausalLM
@@ -97,8 +114,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     eos = hf.generation_config.eos_token_id
     stop_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     engine_cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget)  # serving's engine settings
-    engines = {"spec": Engine(target, build_drafter(bundle, target, max_seq_len), engine_cfg),
-               "ar": Engine(target, None, engine_cfg)}
+    drafter = build_drafter(bundle, target, max_seq_len)
+    engines = {"spec": Engine(target, drafter, engine_cfg), "ar": Engine(target, None, engine_cfg)}
 
     def ours(engine: Engine) -> Generate:
         def run(ids, params, gen):
@@ -108,6 +125,10 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
 
     methods: dict[str, Generate] = {name: ours(e) for name, e in engines.items()}
     methods["hf"] = lambda ids, params, gen: (hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen), None)
+    if bundle.kind == "lm":  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
+        assistant = hf_causal_lm(drafter.model)
+        methods[ASSISTED] = lambda ids, params, gen: (
+            hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, assistant=assistant), None)
     for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
@@ -122,21 +143,28 @@ def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
     row = {"temperature": t, "tau": spec.tau(prompts), "acceptance_by_depth": spec.acceptance_by_depth,
            "tokens_per_s": spec.tokens_per_s, "tokens_per_s_ar": ar.tokens_per_s, "tokens_per_s_hf": hf.tokens_per_s,
            "speedup": spec.tokens_per_s / ar.tokens_per_s, "speedup_hf": spec.tokens_per_s / hf.tokens_per_s,
-           "new_tokens": {m: timed[m].new_tokens for m in METHODS}}
+           "new_tokens": {m: run.new_tokens for m, run in timed.items()}}
+    if ASSISTED in timed:
+        assisted = timed[ASSISTED]
+        row |= {"tokens_per_s_hf_assisted": assisted.tokens_per_s,
+                "speedup_hf_assisted": spec.tokens_per_s / assisted.tokens_per_s}
     if t == 0.0:
         row["lossy_prompts"] = sum(a != b for a, b in zip(spec.tokens, ar.tokens))
     return row
 
 
 def write_report_md(path: Path, report: dict) -> None:
+    assisted = "speedup_hf_assisted" in report["temperatures"][0]
+    extra_head = " HF assisted tok/s | speedup vs HF assisted |" if assisted else ""
     lines = [f"# Validation of a {report['drafter_kind']} drafter", "",
              f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, {report['dtype']} on "
              f"{report['device']}; draft budget {report['budget']}", "",
-             "| T | tau | spec tok/s | our AR tok/s | HF tok/s | speedup vs our AR | speedup vs HF |",
-             "|---|---|---|---|---|---|---|"]
+             "| T | tau | spec tok/s | our AR tok/s | HF tok/s | speedup vs our AR | speedup vs HF |" + extra_head,
+             "|---|---|---|---|---|---|---|" + "---|---|" * assisted]
     for r in report["temperatures"]:
+        extra = f" {r['tokens_per_s_hf_assisted']:.1f} | {r['speedup_hf_assisted']:.2f}x |" if assisted else ""
         lines.append(f"| {r['temperature']:g} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_ar']:.1f} "
-                     f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |")
+                     f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |" + extra)
     gate = report["gate"]
     lines += ["", f"Greedy lossless: {'yes' if report['metrics']['lossless'] else 'NO'}", "",
               f"Gate: {'passed' if gate['passed'] else 'FAILED: ' + '; '.join(gate['reasons'])}", ""]
@@ -163,8 +191,12 @@ def write_plots(out: Path, rows: list[dict]) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     x = list(range(len(rows)))
-    ax.bar([i - 0.2 for i in x], [r["speedup"] for r in rows], width=0.4, label="vs our autoregressive")
-    ax.bar([i + 0.2 for i in x], [r["speedup_hf"] for r in rows], width=0.4, label="vs HF generate")
+    bars = [("speedup", "vs our autoregressive"), ("speedup_hf", "vs HF generate")]
+    if "speedup_hf_assisted" in rows[0]:
+        bars.append(("speedup_hf_assisted", "vs HF assisted generation"))
+    width = 0.8 / len(bars)
+    for j, (key, label) in enumerate(bars):
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in rows], width=width, label=label)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(x, [f"T={r['temperature']:g}" for r in rows])
     ax.set(ylabel="speedup (x)", title="Speculative decoding speedup")
@@ -185,7 +217,7 @@ def run_validate(ctx: StageContext) -> StageResult:
     measured = measure(ctx, prompts, temperatures)
     rows = [per_temperature(t, measured["timed"][t], len(prompts)) for t in temperatures]
     lossy = rows[0]["lossy_prompts"]
-    metrics = {k: min(r[k] for r in rows) for k in HEADLINE}
+    metrics = {k: min(r[k] for r in rows) for k in HEADLINE + ASSISTED_HEADLINE if k in rows[0]}
     metrics |= {"lossless": lossy == 0, "lossy_prompts": lossy}
     reasons = gate_reasons(metrics, v.gate)
     report = {"metrics": metrics, "gate": {"passed": not reasons, "reasons": reasons, **v.gate.model_dump()},
@@ -199,6 +231,8 @@ def run_validate(ctx: StageContext) -> StageResult:
     write_plots(ctx.out, rows)
     summary = (f"tau {metrics['tau']:.2f}, {metrics['speedup']:.2f}x over our AR, {metrics['speedup_hf']:.2f}x over "
                f"HF generate, lossless {metrics['lossless']}")
+    if "speedup_hf_assisted" in metrics:
+        summary += f", {metrics['speedup_hf_assisted']:.2f}x over HF assisted generation"
     return StageResult(status="completed" if not reasons else "gate_failed",
                        outputs={"report": REPORT_JSON, "report_md": REPORT_MD, "plots": [ACCEPTANCE_PNG, SPEEDUP_PNG]},
                        metrics={k: float(val) for k, val in metrics.items()},

@@ -70,7 +70,7 @@ def test_bad_requests_are_refused_with_a_reason(target, tmp_path):
     with pytest.raises(ValueError, match="takes drafter type EagleModel, got MedusaHeads"):
         export_onnx(medusa, "eagle", example_inputs(medusa, "medusa", 2, 2), tmp_path / ONNX_FILE)
     with pytest.raises(ValueError, match="not one of"):
-        export_onnx(eagle, "lm", {}, tmp_path / ONNX_FILE)
+        export_onnx(eagle, "ngram", {}, tmp_path / ONNX_FILE)
     with pytest.raises(ValueError, match="batch >= 2 and seq >= 2"):
         export_onnx(eagle, "eagle", example_inputs(eagle, "eagle", 1, 4), tmp_path / ONNX_FILE)
     with pytest.raises(ValueError, match="takes inputs"):

@@ -43,6 +43,10 @@ def total_variation(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -
     return masked_mean(0.5 * (p - log_q.exp()).abs().sum(-1), mask)
 
 
+# distill.kd_loss -> the distance an LM drafter minimises to the target's next-token distribution
+KD_DISTANCES = {"forward_kl": kl_divergence, "tv": total_variation}
+
+
 def soft_cross_entropy(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
     """-sum p log q: KL plus the target's entropy, same gradient for q, cheaper (no log p term)."""
     p, _, log_q = _distributions(target_logits, draft_logits)

@@ -1,0 +1,90 @@
+"""LM drafter: a small independent causal LM sharing the target's tokenizer, with its own KV cache.
+
+It reads tokens only (no target features). Its cache holds the committed sequence up to, not including, the
+root; propose() first runs the tokens committed since (ending with the root), then grows an EAGLE-2 dynamic
+tree whose expanded nodes keep their KV in slots after the prefix. commit() keeps, by compacting in place, the
+KV of the committed tokens the tree had already expanded, so only the rest is recomputed next time.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.draft_head import DraftHead
+from runtime.drafter import DraftBudget, Drafter
+from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
+from runtime.model import ModelConfig, RopeScaling, Transformer
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    model: ModelConfig  # the small LM's own shape: the bundle reader rebuilds it from this
+    draft_vocab: int = 0  # 0: the full vocabulary; else the size of the reduced draft vocabulary
+
+    def to_dict(self) -> dict:
+        return {"kind": "lm", "model": asdict(self.model), "draft_vocab": self.draft_vocab}
+
+    @staticmethod
+    def from_dict(config: dict) -> "LMConfig":
+        model = dict(config["model"])
+        model["rope_scaling"] = RopeScaling(**model.get("rope_scaling", {}))
+        return LMConfig(ModelConfig(**model), int(config.get("draft_vocab", 0)))
+
+
+class LMDrafter(Drafter):
+    def __init__(self, model: Transformer, max_len: int, keep_ids: Tensor | None = None):
+        """`model` runs inference only from here on: its weights are prepacked for CPU decoding (in place).
+        `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
+        self.model = model.eval().requires_grad_(False).pack_for_cpu()
+        self.head = DraftHead(model.output.weight, keep_ids)
+        self.vocab_size = self.head.vocab_size
+        self.cache = model.new_cache(1, max_len)
+        self.pending: list[Tensor] = []  # committed tokens not yet in the cache; the last one is the root
+        self.tree: tuple[Candidates, TreeSlots] | None = None  # the last proposal's nodes and their KV slots
+
+    def reset(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        self.cache.reset()
+        self.pending, self.tree = [tokens.long()], None
+
+    def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        """Walk the committed tokens (but the last, which becomes the root) down the expanded tree nodes: their KV
+        was computed over the prefix and their ancestors, exactly the committed path, so it stays."""
+        keep: list[int] = []
+        if self.tree is not None:
+            c, slots = self.tree
+            expanded = {(c.parents[n], c.tokens[n]): n for n in slots.slot}
+            node: int | None = -1
+            for tok in tokens[:-1].tolist():
+                node = expanded.get((node, tok))
+                if node is None:
+                    break
+                keep.append(slots.slot[node] - slots.prefix)
+        self.cache.compact(torch.tensor(keep, dtype=torch.long))
+        self.pending.append(tokens[len(keep):].long())
+        self.tree = None
+
+    @torch.inference_mode()
+    def propose(self, budget: DraftBudget, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        lm, head, cache = self.model, self.head, self.cache
+        toks = torch.cat(self.pending).to(lm.device)
+        n = int(cache.lengths[0])
+        positions = n + torch.arange(toks.numel(), device=lm.device)
+        root_hidden = lm.run(toks[None], cache, positions[None], no_logits=True).hidden[0, -1]
+        cache.advance(toks.numel())
+        self.pending = []
+        slots = TreeSlots(prefix_len=int(cache.lengths[0]), root_position=int(positions[-1]), device=lm.device)
+
+        def expand(c: Candidates, nodes: list[int]) -> Tensor:
+            self.tree = (c, slots)
+            tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=lm.device)
+            s, pos, mask = slots.place(c, nodes)
+            hidden = lm.run_placed(tokens, cache, pos, s, mask.shape[-1], mask, no_logits=True).hidden[0]
+            return head.to_target(tree_probs(head(hidden), params))
+
+        root = head.to_target(tree_probs(head(root_hidden), params))
+        return grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy)

@@ -1,0 +1,263 @@
+"""The lm drafter: a small LM distilled from the target (KD, or LoRA on an existing small LM), its tree drafting
+and KV cache, the ours <-> HF weight conversion, and the whole distill -> export -> validate path."""
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from export.bundle import write_bundle
+from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
+from pipeline.config import Config
+from pipeline.distill import build, run_distill
+from pipeline.errors import DraftsmithError
+from pipeline.export_stage import run_export
+from pipeline.runstore import RunStore, StageResult
+from pipeline.sources import target_fingerprint
+from pipeline.stages import StageContext
+from pipeline.validate import REPORT_JSON, REPORT_MD, hf_causal_lm, run_validate
+from runtime.bundle import read_bundle
+from runtime.drafter import DraftBudget
+from runtime.drafters import build_drafter, drafter_config, drafter_tensors
+from runtime.engine import Engine, EngineConfig
+from runtime.lm_drafter import LMDrafter
+from runtime.model import Transformer, hf_config, hf_state_dict
+from runtime.sampling import SamplingParams
+from train import recipes
+from train.batches import Batches
+from train.data import TokenizedSet
+from train.losses import KD_DISTANCES
+from train.trainer import TrainSpec, train
+
+VOCAB = 96  # tests/conftest.py TINY
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir):
+    # a large init makes next-token distributions peaked, as a trained model's are (random ones are near-uniform)
+    return tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Transformer.from_pretrained(target_dir, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def self_distilled(target):
+    """The target's own greedy continuations of random prompts: what regeneration gives a real drafter."""
+    engine = Engine(target, None, EngineConfig(max_seq_len=256))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(16):
+        prompt = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+        out = engine.generate(prompt, 34, SamplingParams()).tokens
+        rows.append((prompt + out, [0] * len(prompt) + [1] * len(out)))
+    return TokenizedSet.from_rows(rows)
+
+
+def _perturbed(model, seed=0, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _train(model, loss_fn, data, steps, ckpt, lr):
+    history = []
+    train(model, loss_fn, Batches(data, 8, seed=0), TrainSpec(steps=steps, lr=lr, warmup=2), ckpt,
+          log=lambda step, m: history.append(m))
+    return history
+
+
+def test_kd_distances_on_a_hand_checked_case():
+    p, q = torch.tensor([[0.5, 0.5]]), torch.tensor([[0.25, 0.75]])
+    mask = torch.tensor([True])
+    kl = KD_DISTANCES["forward_kl"](p.log(), q.log(), mask)
+    tv = KD_DISTANCES["tv"](p.log(), q.log(), mask)
+    assert kl.item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), abs=1e-6)
+    assert tv.item() == pytest.approx(0.25, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "tv"])
+def test_kd_loss_compares_next_token_distributions_on_assistant_tokens(target, kind):
+    """A full copy of the target has zero loss; a perturbed one has, on the one assistant position, exactly the
+    distance between the two models' next-token distributions there, each computed by a plain cached forward."""
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(1, 10, dtype=torch.long)
+    mask[0, 7] = 1  # only token 7 is the assistant's: row 6 predicts it
+    batch = {"input_ids": ids, "loss_mask": mask}
+    loss_fn = recipes.lm_kd_loss(target, kind)
+    copy = recipes.build_lm(target, target.config.n_layers, "target")
+    loss, metrics = loss_fn(copy, batch)
+    assert loss.item() == pytest.approx(0.0, abs=1e-5) and metrics["top1"] == 1.0
+
+    drafter = _perturbed(recipes.build_lm(target, target.config.n_layers, "target"), scale=0.2)
+    loss, _ = loss_fn(drafter, batch)
+
+    def next_token_logits(model):
+        with torch.no_grad():
+            return model(ids[:, :7], model.new_cache(1, 10), torch.arange(7)[None])[0][:, -1]
+
+    want = KD_DISTANCES[kind](next_token_logits(target), next_token_logits(drafter), torch.tensor([True]))
+    assert want > 1e-3 and loss.item() == pytest.approx(want.item(), rel=1e-4)
+    # offline mode: the target's features come from the batch (prepare's cache) instead of a target forward
+    cached = target.run_uncached(ids, no_logits=True).hidden
+    assert loss_fn(drafter, {**batch, "features": cached})[0].item() == pytest.approx(loss.item(), rel=1e-5)
+    assert loss_fn(copy, {**batch, "features": torch.zeros_like(cached)})[0].item() > 1e-3
+
+
+@pytest.mark.parametrize("kind,init", [("forward_kl", "random"), ("tv", "target")])
+def test_lm_learns_and_stays_lossless(target, self_distilled, tmp_path, kind, init):
+    keep = torch.arange(0, VOCAB)
+    model = recipes.build_lm(target, 1, init)
+    history = _train(model, recipes.lm_kd_loss(target, kind, keep), self_distilled, 40, tmp_path / "ckpt", 3e-3)
+    first, last = history[0], history[-1]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["top1"] > first["top1"] + 0.1
+
+    config = drafter_config("lm", model, keep.numel())
+    write_bundle(tmp_path / "bundle", config, drafter_tensors(model, keep), target_fingerprint="t", data_digest="d",
+                 config={}, code_version="test")
+    drafter = build_drafter(read_bundle(tmp_path / "bundle", "t"), target, 256)
+    assert isinstance(drafter, LMDrafter) and not drafter.needs_features
+    plain = Engine(target, None, EngineConfig(max_seq_len=256))
+    spec = Engine(target, drafter, EngineConfig(max_seq_len=256, budget=DraftBudget(3, 2, 6), adaptive=False))
+    taus = []
+    for i in range(3):  # prompts it was trained on: a 40-step drafter of a random target does not generalise
+        prompt = self_distilled.row(i)[0][:6].tolist()
+        got = spec.generate(prompt, 30, SamplingParams())
+        assert got.tokens == plain.generate(prompt, 30, SamplingParams()).tokens
+        taus.append(got.metrics.tau)
+    assert sum(taus) / len(taus) > 1.2
+
+
+def test_kept_tree_kv_matches_a_fresh_drafter(target):
+    """After commits that reuse the KV of expanded tree nodes (compacted in place), the drafter proposes what a
+    drafter reset on the whole committed sequence proposes: a wrong slot, position or mask would show."""
+    model = _perturbed(recipes.build_lm(target, 2, "target"), scale=0.1).eval()
+    drafter = LMDrafter(model, 128)
+    tokens = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(5))
+    drafter.reset(tokens, None)
+    params, budget = SamplingParams(temperature=1.0), DraftBudget(depth=4, width=3, nodes=12)
+    kept = 0
+    for step in range(4):
+        tree = drafter.propose(budget, params, torch.Generator().manual_seed(step))
+        fresh = LMDrafter(model, 128)
+        fresh.reset(tokens, None)
+        twin = fresh.propose(budget, params, torch.Generator().manual_seed(step))
+        assert tree.tokens.tolist() == twin.tokens.tolist()
+        torch.testing.assert_close(tree.q, twin.q, rtol=1e-4, atol=1e-6)
+        path = [0]  # commit the first child chain of the tree (deepest first-children), then one more token
+        while tree.children()[path[-1] + 1]:
+            path.append(tree.children()[path[-1] + 1][0])
+        committed = torch.cat([tree.tokens[path], torch.tensor([step])])
+        before = int(drafter.cache.lengths[0])
+        drafter.commit(committed, None)
+        kept += int(drafter.cache.lengths[0]) - before
+        tokens = torch.cat([tokens, committed])
+    assert kept > 0  # some committed tokens kept the KV their tree node had
+
+
+def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model_dir, tmp_path):
+    base_dir = tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1)
+    model = recipes.build_lm_lora(target, base_dir, rank=4)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    history = _train(model, recipes.lm_kd_loss(target, "forward_kl"), self_distilled, 12, tmp_path / "ckpt", 1e-2)
+    assert history[-1]["loss"] < history[0]["loss"]
+    merged, base = recipes.merge_lora(model), Transformer.from_pretrained(base_dir, max_seq_len=256)
+    assert isinstance(merged, Transformer)
+    merged_sd, base_sd = merged.state_dict(), base.state_dict()
+    assert merged_sd.keys() == base_sd.keys()
+    changed = {k for k in base_sd if not torch.equal(merged_sd[k], base_sd[k])}
+    assert "layers.0.attention.wqkv.weight" in changed and "layers.0.feed_forward.w2.weight" in changed
+    assert "tok_embeddings.weight" not in changed and "norm.weight" not in changed  # not adapted
+    with pytest.raises(ValueError, match="vocab_size 80"):
+        recipes.build_lm_lora(target, tiny_model_dir("llama", vocab_size=80), rank=4)
+
+
+def test_bad_lm_settings_are_refused(target, self_distilled):
+    ctx = StageContext(Config.model_validate({"drafter": {"kind": "lm", "lm_layers": 3}}), None, None)
+    with pytest.raises(DraftsmithError, match="lm_layers=3: expected 1..2"):  # the CLI prints it as one line
+        build(ctx, target, self_distilled)
+    with pytest.raises(ValueError, match="lm_init='copy'"):
+        recipes.build_lm(target, 1, "copy")
+    with pytest.raises(ValueError, match="kd_loss='reverse_kl'"):
+        recipes.lm_kd_loss(target, "reverse_kl")
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": True}),
+                                            ("qwen2", {}), ("qwen3", {"attention_bias": True})])
+def test_hf_conversion_round_trips(tiny_model_dir, tmp_path, arch, overrides):
+    """ours -> HF names and config -> ours is the identity, and HF transformers computes the same logits."""
+    model = Transformer.from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config)))
+    save_file(hf_state_dict(model), str(tmp_path / "model.safetensors"))
+    back = Transformer.from_pretrained(tmp_path, max_seq_len=64)
+    assert back.config == model.config
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
+    ids = torch.randint(0, VOCAB, (1, 9))
+    ours = model(ids, model.new_cache(1, 9), torch.arange(9)[None])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf_causal_lm(model)(ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_lm_step_exports_to_onnx(target, tmp_path):
+    model = _perturbed(recipes.build_lm(target, 1, "random")).eval()
+    path = tmp_path / ONNX_FILE
+    record = export_onnx(model, "lm", example_inputs(model, "lm", 2, 5), path)
+    assert record["inputs"] == {"input_ids": ["batch", "seq"]} and record["outputs"]["logits"] == ["batch", "seq", 96]
+    for batch, seq in [(3, 7), (1, 1)]:
+        assert check_onnx_parity(model, "lm", path, example_inputs(model, "lm", batch, seq, seed=batch))["passed"]
+
+
+# ---------------------------------------------------------------- distill -> export -> validate
+
+
+def _run(store: RunStore, stage: str, cfg: Config, target_dir, fn) -> dict:
+    def body(out):
+        ctx = StageContext(cfg, store, out, f"digest-{stage}")
+        ctx.__dict__["target_dir"] = target_dir  # the cached_property, without resolving a preset
+        return fn(ctx)
+    return store.run_stage(stage, f"digest-{stage}", body)
+
+
+def test_lm_bundle_from_distill_exports_and_validates_with_hf_assisted_peer(tmp_path, target_dir, target,
+                                                                            self_distilled):
+    cfg = Config.model_validate({
+        "drafter": {"kind": "lm", "lm_layers": 1, "draft_vocab": 64, "depth": 3, "width": 2, "nodes": 6},
+        "distill": {"steps": 4, "batch_size": 4, "lr": 3e-3, "warmup": 1, "kd_loss": "tv"},
+        "export": {"onnx": True},
+        "validate": {"num_prompts": 2, "max_new_tokens": 10, "temperatures": [0.0],
+                     "gate": {"min_tau": 1.0, "min_speedup": 0.0}}})
+    store = RunStore(tmp_path / "runs", "r1")
+
+    def prepare(ctx):
+        self_distilled.save(ctx.out / "train.safetensors")
+        self_distilled.save(ctx.out / "val.safetensors")
+        return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"})
+
+    _run(store, "prepare", cfg, target_dir, prepare)
+    rec = _run(store, "distill", cfg, target_dir, run_distill)
+    assert rec["metrics"]["tau"] >= 1.0 and rec["message"].startswith("lm: tau")
+    config = json.loads((store.stage_dir("distill") / "drafter_config.json").read_text())
+    assert config["kind"] == "lm" and config["model"]["n_layers"] == 1 and config["draft_vocab"] == 64
+
+    _run(store, "export", cfg, target_dir, run_export)
+    bundle = read_bundle(store.stage_dir("export") / "bundle", target_fingerprint(target_dir))
+    assert bundle.has(ONNX_FILE) and bundle.manifest["onnx"]["kind"] == "lm"
+    assert bundle.manifest["onnx"]["parity"]["passed"]
+    drafter = build_drafter(bundle, target, 256)
+    assert isinstance(drafter, LMDrafter) and drafter.head.keep_ids.numel() == 64
+
+    rec = _run(store, "validate", cfg, target_dir, run_validate)
+    report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
+    assert rec["status"] == "completed" and report["metrics"]["lossless"] is True
+    row = report["temperatures"][0]
+    assert row["tokens_per_s_hf_assisted"] > 0 and row["new_tokens"]["hf_assisted"] > 0
+    assert row["speedup_hf_assisted"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_assisted"])
+    assert report["metrics"]["speedup_hf_assisted"] == row["speedup_hf_assisted"]
+    assert "HF assisted" in (store.stage_dir("validate") / REPORT_MD).read_text()

@@ -5,16 +5,19 @@ import json
 
 import torch
 
+from pipeline.errors import DraftsmithError
 from pipeline.stages import StageContext
 from pipeline.runstore import StageResult
 from runtime.draft_head import frequent_token_ids
+from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
-from runtime.drafters import DRAFT_VOCAB
+from runtime.drafters import drafter_config, drafter_module, drafter_tensors, runtime_drafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 from train.batches import Batches
 from train.data import TokenizedSet, prompts_from
+from train.shards import load_features
 from train.trainer import TrainSpec, mlflow_logger, train
 
 
@@ -28,17 +31,23 @@ def draft_budget(ctx: StageContext) -> DraftBudget:
 
 
 def measure_tau(target: Transformer, drafter, prompts: list[list[int]], budget: DraftBudget,
-                max_new_tokens: int) -> dict:
-    """Real tau: greedy speculative generation in the runtime on held-out prompts (no fallback)."""
-    engine = Engine(target, drafter, EngineConfig(max_seq_len=target.max_seq_len, budget=budget, adaptive=False))
+                max_new_tokens: int, sparse: SpecAttnConfig | None = None) -> dict:
+    """Real tau: greedy speculative generation in the runtime on held-out prompts (no fallback). With `sparse`
+    the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are reported too."""
+    engine = Engine(target, drafter, EngineConfig(max_seq_len=target.max_seq_len, budget=budget, adaptive=False,
+                                                  sparse=sparse))
     forwards = tokens = 0
+    saved = []
     for ids in prompts:
         m = engine.generate(ids, max_new_tokens, SamplingParams()).metrics
         forwards, tokens = forwards + m.target_forwards, tokens + m.new_tokens - 1  # the first token is prefill's
-    return {"tau": tokens / max(forwards, 1), "tau_prompts": len(prompts)}
+        saved.append(m.kv_saved)
+    tau = {"tau": tokens / max(forwards, 1), "tau_prompts": len(prompts)}
+    return tau if sparse is None else {**tau, "kv_saved": sum(saved) / max(len(saved), 1)}
 
 
 def build(ctx: StageContext, target: Transformer, train_set: TokenizedSet):
+    from pipeline.sources import resolve_target
     from train import recipes
 
     d, s = ctx.cfg.drafter, ctx.cfg.distill
@@ -46,10 +55,27 @@ def build(ctx: StageContext, target: Transformer, train_set: TokenizedSet):
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:
         keep = frequent_token_ids(train_set.input_ids, d.draft_vocab)
     if d.kind == "eagle":
-        return recipes.build_eagle(target, keep), recipes.eagle_loss(target, noise=s.noise), keep
+        return recipes.build_eagle(target, keep), recipes.eagle_loss(target, s.noise, s.ttt_depth), keep
     if d.kind == "medusa":
         return recipes.build_medusa(target, d.medusa_heads, keep), recipes.medusa_loss(target), keep
+    if d.kind == "lm":
+        try:
+            model = (recipes.build_lm_lora(target, resolve_target(d.lm_base), d.lora_rank) if d.lm_base
+                     else recipes.build_lm(target, d.lm_layers, d.lm_init))
+        except ValueError as e:  # drafter.lm_* settings that do not fit this target: a config error
+            raise DraftsmithError(str(e)) from None
+        return model, recipes.lm_kd_loss(target, s.kd_loss, keep), keep
     raise ValueError(f"drafter.kind={d.kind!r} has no training recipe yet")
+
+
+def simulated_tau(ctx: StageContext, target: Transformer, val: TokenizedSet):
+    """eval_fn for the trainer: greedy chain drafting replayed on validation rows (train.recipes.simulated_chain)."""
+    from train import recipes
+
+    rows = min(ctx.cfg.distill.eval_rows, len(val))
+    features = load_features(ctx.input("prepare"), "val", val.input_ids.numel())
+    batch = Batches(val, rows, seed=ctx.cfg.run.seed, features=features).batch_at(0)
+    return lambda model: recipes.simulated_chain(model, target, [batch], ctx.cfg.drafter.depth)
 
 
 def run_distill(ctx: StageContext) -> StageResult:
@@ -63,28 +89,28 @@ def run_distill(ctx: StageContext) -> StageResult:
     train_set = TokenizedSet.load(prep / "train.safetensors")
     model, loss_fn, keep = build(ctx, target, train_set)
     spec = TrainSpec(steps=s.steps, lr=s.lr, warmup=min(s.warmup, s.steps - 1), ckpt_every=s.ckpt_every,
-                     seed=ctx.cfg.run.seed, deepspeed=s.deepspeed)
+                     eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed)
     # Checkpoints live outside the atomic stage dir, keyed by the inputs digest: a killed distill resumes.
     ckpt = ctx.store.dir / f".distill-ckpt-{ctx.digest[:16]}"
-    result = train(model, loss_fn, Batches(train_set, s.batch_size, seed=ctx.cfg.run.seed), spec, ckpt,
-                   log=mlflow_logger())
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if keep is not None:
-        tensors[DRAFT_VOCAB] = keep
+    features = load_features(prep, "train", train_set.input_ids.numel())  # None: the target runs in training
+    batches = Batches(train_set, s.batch_size, seed=ctx.cfg.run.seed, features=features)
+    val = TokenizedSet.load(prep / "val.safetensors")
+    result = train(model, loss_fn, batches, spec, ckpt, log=mlflow_logger(),
+                   eval_fn=simulated_tau(ctx, target, val) if d.kind == "eagle" else None)
     from safetensors.torch import save_file
 
+    from train.recipes import merge_lora
+
+    model = merge_lora(model)  # an lm_base drafter ships as its base LM with the adapters folded in
+    tensors = drafter_tensors(model, keep)
     save_file(tensors, str(ctx.out / "drafter.safetensors"))
-    config = model.cfg.to_dict() if d.kind == "medusa" else {"kind": "eagle", "draft_vocab": int(d.draft_vocab)}
+    config = drafter_config(d.kind, model, 0 if keep is None else keep.numel())
     (ctx.out / "drafter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    from runtime.eagle import EagleDrafter
-    from runtime.medusa import MedusaDrafter
-
-    model.eval()
-    drafter = EagleDrafter(model, target.max_seq_len + 64) if d.kind == "eagle" else MedusaDrafter(model)
-    val = TokenizedSet.load(prep / "val.safetensors")
+    # measured exactly as the bundle reader will build it: from the saved config and tensors
+    drafter = runtime_drafter(d.kind, drafter_module(config, target, tensors), target, keep_ids=keep)
     tau = measure_tau(target, drafter, prompts_from(val, 4), draft_budget(ctx), 48)
     metrics = {**{k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}, **tau,
-               "steps": result["step"], "train_seconds": round(result["seconds"], 1)}
+               "steps": result["step"], "train_seconds": round(result["seconds"], 1),
+               "offline_features": int(features is not None)}
     return StageResult(outputs={"weights": "drafter.safetensors", "config": "drafter_config.json"},
                        metrics=metrics, message=f"{d.kind}: tau {tau['tau']:.2f} on {tau['tau_prompts']} val prompts")

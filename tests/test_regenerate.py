@@ -64,11 +64,12 @@ def test_cached_features_give_the_same_loss_as_the_online_target(target, tmp_pat
     cache_features(target, ts, tmp_path / "work", batch_size=3)
     merged, features, _ = merge_shards(tmp_path / "work")
     assert torch.equal(merged.input_ids, ts.input_ids) and torch.equal(merged.offsets, ts.offsets)
-    save_features(features, tmp_path / "stage")
-    features = load_features(tmp_path / "stage", ts.input_ids.numel())
+    save_features(features, tmp_path / "stage", "train")
+    assert load_features(tmp_path / "stage", "val", ts.input_ids.numel()) is None
+    features = load_features(tmp_path / "stage", "train", ts.input_ids.numel())
     assert features.dtype == torch.float16 and features.shape == (ts.input_ids.numel(), target.config.dim)
     with pytest.raises(ValueError, match="rerun prepare"):
-        load_features(tmp_path / "stage", ts.input_ids.numel() + 1)
+        load_features(tmp_path / "stage", "train", ts.input_ids.numel() + 1)
 
     online, offline = Batches(ts, 4, seed=0), Batches(ts, 4, seed=0, features=features)
     model = recipes.build_eagle(target, None)

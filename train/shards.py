@@ -110,26 +110,26 @@ def feature_bytes(tokens: int, dim: int) -> int:
     return tokens * dim * 2  # fp16
 
 
-def save_features(features: torch.Tensor, out_dir: Path) -> list[str]:
-    """Flat [tokens, dim] features -> `out_dir/features/part-XXXXX.safetensors`; returns the relative paths."""
+def save_features(features: torch.Tensor, out_dir: Path, split: str) -> list[str]:
+    """Flat [tokens, dim] features -> `out_dir/features/<split>-XXXXX.safetensors`; returns the relative paths."""
     d = out_dir / FEATURES_DIR
     d.mkdir(parents=True, exist_ok=True)
     per_part = max(1, SHARD_BYTES // (features.shape[1] * 2))
     names = []
     for i, start in enumerate(range(0, features.shape[0], per_part)):
-        name = f"{FEATURES_DIR}/part-{i:05d}.safetensors"
+        name = f"{FEATURES_DIR}/{split}-{i:05d}.safetensors"
         save_file({"features": features[start:start + per_part].to(torch.float16).contiguous()}, str(out_dir / name))
         names.append(name)
     return names
 
 
-def load_features(stage_dir: Path, expected_tokens: int) -> torch.Tensor | None:
-    """The cached features of a prepare output, or None when it has none (online distillation)."""
-    parts = sorted((stage_dir / FEATURES_DIR).glob("part-*.safetensors"))
+def load_features(stage_dir: Path, split: str, expected_tokens: int) -> torch.Tensor | None:
+    """The cached features of a prepare output's split, or None when it has none (online distillation)."""
+    parts = sorted((stage_dir / FEATURES_DIR).glob(f"{split}-*.safetensors"))
     if not parts:
         return None
     features = torch.cat([load_file(str(p))["features"] for p in parts])
     if features.shape[0] != expected_tokens:
         raise ValueError(f"{stage_dir / FEATURES_DIR}: {features.shape[0]} cached feature rows for "
-                         f"{expected_tokens} train tokens; rerun prepare with --force")
+                         f"{expected_tokens} {split} tokens; rerun prepare with --force")
     return features

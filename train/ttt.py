@@ -1,0 +1,55 @@
+"""EAGLE trained the way it drafts ("training-time test", as in HASS and EAGLE-3).
+
+At inference the drafter's depth-d node reads a feature the drafter itself predicted at depth d-1, and attends
+to the committed (true) pairs plus its own chain. Teacher forcing alone trains only depth 1, and acceptance
+collapses deeper in the tree. Here every row is unrolled `depth` times in parallel over all start positions:
+
+    depth 1: pair P_j = (x_{j+1}, f_j) at position j+1, causal over true pairs      -> f^1_j ~ f_{j+1}
+    depth d: pair (x_{j+d}, f^{d-1}_j) at position j+d, sees P_0..P_j and its chain  -> f^d_j ~ f_{j+d}
+
+and every depth is trained (train.recipes.eagle_loss), deeper ones weighted less. The same unroll, greedy and
+without gradients, replays chain drafting on held-out rows (train.recipes.simulated_chain).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime.eagle import EagleModel
+
+
+class ChainKV:
+    """KVCache stand-in for the unroll: each depth's keys are appended out of place (autograd-safe)."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def write(self, layer: int, slots, k: Tensor, v: Tensor, n_live: int) -> tuple[Tensor, Tensor]:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+
+def unroll_mask(n: int, depth: int, device: torch.device) -> Tensor:
+    """[1, 1, n, depth*n] bool for the depth-`depth` queries: true pairs up to their start, then their own chain."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    chain = torch.eye(n, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [chain] * (depth - 1), dim=1)[None, None]
+
+
+def unroll(model: EagleModel, ids: Tensor, inputs: Tensor, depth: int) -> list[Tensor]:
+    """ids [B, T], input features [B, T-1, H] (f_0..f_{T-2}) -> per depth d the predictions [B, T-1, H], row j
+    predicting f_{j+d}. Tokens past the row's end are padding; callers mask those rows out."""
+    B, T = ids.shape
+    n = T - 1
+    kv, out, feats = ChainKV(), [], inputs
+    start = torch.arange(n, device=ids.device)
+    for d in range(1, depth + 1):
+        tokens = torch.zeros(B, n, dtype=torch.long, device=ids.device)
+        tokens[:, : T - d] = ids[:, d:]  # x_{j+d}
+        positions = (start + d).clamp(max=model.rope_cos.shape[0] - 1).expand(B, n)
+        feats = model(tokens, feats, positions, kv, None, d * n, unroll_mask(n, d, ids.device))
+        out.append(feats)
+    return out

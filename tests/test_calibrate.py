@@ -1,5 +1,6 @@
-"""calibrate on a tiny target: quantisation picked by measured tau, a monotone layer map, a top-p sweep."""
+"""calibrate on a tiny target: quantisation picked by measured tau, a monotone layer map, a measured top-p sweep."""
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from export.layer_map import DENSE, LayerMap
 from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
 from pipeline.runstore import RunStore
+from pipeline.specattn_calibration import calibration_row, choose_top_p, sparse_nll
 from pipeline.stages import StageContext
+from runtime.attention import SpecAttnConfig
 from runtime.drafters import DRAFT_VOCAB
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
@@ -21,7 +24,8 @@ from train.data import TokenizedSet
 from train.trainer import TrainSpec, train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
-FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24, map_prompts=3)
+TOP_P = [0.5, 0.9, 0.99]
+FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def make_hard_to_quantise(tensors: dict, factor: float) -> None:
 
 def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outlier=0.0) -> StageContext:
     cfg = Config.model_validate({"run": {"dir": str(tmp_path)}, "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
-                                 "calibrate": {"tau_tolerance": tolerance}})
+                                 "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P}})
     store = RunStore(tmp_path, "r1")
     prep, distill = store.stage_dir("prepare"), store.stage_dir("distill")
     prep.mkdir(parents=True)
@@ -120,11 +124,22 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
         assert (ctx.out / png).stat().st_size > 1000
     m = result.metrics
     assert len([k for k in m if k.startswith("neg_kl_layer_")]) == N_LAYERS
-    saved = [m[f"kv_saved_p{p}"] for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
-    mass = [m[f"target_mass_p{p}"] for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
-    assert all(a >= b for a, b in zip(saved, saved[1:])) and 0 < saved[0] < 1
-    assert all(a <= b + 1e-6 for a, b in zip(mass, mass[1:])) and 0 < mass[0] <= mass[-1] <= 1 + 1e-6
-    assert "not yet wired" in result.message
+
+    report = json.loads((ctx.out / "sparsity.json").read_text())
+    sweep = report["sweep"]
+    assert [r["top_p"] for r in sweep] == TOP_P and report["dense_tau"] > 1.0
+    saved = [r["kv_saved"] for r in sweep]
+    assert all(a >= b for a, b in zip(saved, saved[1:])) and 0 < saved[0] < 0.5  # nested sets; 2 of 4 layers dense
+    for r in sweep:  # measured, and reported both ways
+        p = r["top_p"]
+        assert r["tau"] >= 1.0 and 0 <= r["kv_saved_generating"] < 0.5 and math.isfinite(r["ppl_change"])
+        assert [m[f"{k}_p{p}"] for k in ("kv_saved", "ppl_change", "tau")] == [r["kv_saved"], r["ppl_change"], r["tau"]]
+    settings = SpecAttnConfig.from_json((ctx.out / "specattn.json").read_text())  # what export puts in the bundle
+    assert settings.layer_map == layer_map.mapping and settings.dense_first == 2
+    within = [r for r in sweep if r["ppl_change"] <= 0.01]
+    best = max(within, key=lambda r: r["kv_saved"]) if within else {"top_p": 1.0, "kv_saved": 0.0}
+    assert settings.top_p == best["top_p"] and m["kv_saved_at_ppl_tolerance"] == best["kv_saved"]
+    assert "SpecAttn" in result.message and "specattn" in result.outputs
 
 
 def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):
@@ -152,3 +167,21 @@ def test_ngram_is_not_applicable(tmp_path, target_dir, distilled):
     assert "not applicable" in result.message
     assert json.loads((ctx.out / "quant.json").read_text())["chosen"] == "not applicable"
     assert not (ctx.out / "layer_map.json").exists()
+
+
+def test_choose_top_p_saves_most_within_the_perplexity_tolerance():
+    sweep = [{"top_p": 0.5, "kv_saved": 0.7, "ppl_change": 0.04}, {"top_p": 0.8, "kv_saved": 0.5, "ppl_change": 0.008},
+             {"top_p": 0.9, "kv_saved": 0.4, "ppl_change": -0.001}]
+    assert choose_top_p(sweep, 0.01)["top_p"] == 0.8
+    assert choose_top_p(sweep, 0.05)["top_p"] == 0.5
+    assert choose_top_p(sweep[:1], 0.01) is None
+
+
+def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, distilled):
+    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    eagle = recipes.build_eagle(target, None).eval()
+    row = calibration_row(target, eagle, distilled[0].row(0)[0][:30])
+    nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), top_p=1.0, dense_first=1))
+    assert torch.equal(nll, row.dense_nll) and reads == dense
+    nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2))
+    assert reads < dense and nll.shape == row.dense_nll.shape

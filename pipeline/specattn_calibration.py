@@ -1,0 +1,160 @@
+"""SpecAttn calibration: fit the layer map, then measure sparse verification for each draft top-p.
+
+The layer map compares, on calibration rows, every target layer's attention with the EAGLE block's
+(export.layer_map). Each top_p is then measured for real, not through a proxy: the KV reads saved and the target
+perplexity change come from teacher-forced forwards over the same rows in which every query reads only the keys
+that the drafter's attention selects (runtime.attention.kept_keys, as the engine does at each verify), and tau
+from greedy speculative generation with the engine verifying sparsely. The largest saving whose perplexity
+increase stays within calibrate.ppl_tolerance becomes specattn.json, which export carries into the bundle.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from export.layer_map import LayerMap, kl_similarity, plot_layer_map
+from pipeline.distill import measure_tau
+from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
+from runtime.drafter import DraftBudget, Drafter
+from runtime.eagle import EagleModel, on_target_keys
+from runtime.model import Taps, Transformer
+
+DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    ids: torch.Tensor  # [T] token ids
+    target_attention: torch.Tensor  # [Lt, H, T-1, T-1] queries 1.., keys x_1.. (what the draft sees), renormalised
+    draft_attention: torch.Tensor  # [1, H, T-1, T-1] the EAGLE block: pair j (query j+1) over pairs 0..j
+    dense_nll: torch.Tensor  # [T-1] -log p(x_{t+1} | x_0..x_t) of the dense target
+
+
+@torch.inference_mode()
+def calibration_row(target: Transformer, eagle: EagleModel, ids: torch.Tensor) -> CalibrationRow:
+    """Draft pair j = (x_{j+1}, f_j) sits at position j+1 and attends pairs 0..j, i.e. tokens x_1..x_{j+1}; the
+    target's query at position j+1 also sees x_0, which the draft never does: it is dropped from the target rows
+    compared in the layer map, which are renormalised over x_1..x_{j+1}."""
+    T = ids.numel()
+    layers = tuple(range(target.config.n_layers))
+    out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=Taps(attention_layers=layers))
+    att_t = torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])
+    att_t = att_t / att_t.sum(-1, keepdim=True).clamp_min(1e-12)
+    _, att_d = eagle.causal_step(ids[None, 1:], out.hidden[:, :-1], eagle.new_cache(1, T - 1), want_weights=True)
+    return CalibrationRow(ids, att_t.float(), att_d.float(), next_token_nll(out.logits, ids))
+
+
+def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[0, :-1].float(), ids[1:], reduction="none")
+
+
+def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.Tensor, LayerMap]:
+    """S [Ld, Lt] = -KL(target layer || draft layer), heads averaged, over every query row of every calibration
+    row; the monotone map on it. At least one target layer stays mapped so that a shallow target gets measured."""
+    K = max(r.ids.numel() - 1 for r in rows)  # rows differ in length: pad keys (weight 0 adds 0 to the KL)
+    att_t = torch.cat([F.pad(r.target_attention.mean(1), (0, K - r.ids.numel() + 1)) for r in rows], dim=1)
+    att_d = torch.cat([F.pad(r.draft_attention.mean(1), (0, K - r.ids.numel() + 1)) for r in rows], dim=1)
+    S = kl_similarity(att_t, att_d)
+    return S, LayerMap.fit(S, dense_first=min(dense_first, S.shape[1] - 1))
+
+
+@torch.inference_mode()
+def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig) -> tuple[torch.Tensor, int, int]:
+    """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys the
+    drafter's pair at position t (the one that would propose x_{t+1}) selects from the prefix 0..t-1, as the
+    engine's verify does for its root; key t itself is the token being verified and always read."""
+    T = row.ids.numel()
+    draft = F.pad(on_target_keys(row.draft_attention), (0, 0, 1, 0))  # query t <- pair t-1; query 0 has no pair
+    keep = kept_keys(draft, torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink, sparse.recent)
+    layer_keep = sparse.layer_keep(keep)
+    out = target.run(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep)
+    reads, dense = kv_reads(layer_keep, torch.ones(T, T, dtype=torch.bool).tril(), target.config.n_kv_heads)
+    return next_token_nll(out.logits, row.ids), reads, dense
+
+
+def perplexity(nll: list[torch.Tensor]) -> float:
+    return math.exp(torch.cat(nll).double().mean().item())
+
+
+def measure_top_p(target: Transformer, drafter: Drafter, rows: list[CalibrationRow], sparse: SpecAttnConfig,
+                  dense_ppl: float, dense_tau: float, tau_prompts: list[list[int]], budget: DraftBudget,
+                  tau_new_tokens: int) -> dict:
+    runs = [sparse_nll(target, r, sparse) for r in rows]
+    ppl = perplexity([nll for nll, _, _ in runs])
+    tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens, sparse=sparse)
+    return {"top_p": sparse.top_p, "kv_saved": 1 - sum(r for _, r, _ in runs) / sum(d for _, _, d in runs),
+            "perplexity": ppl, "ppl_change": ppl / dense_ppl - 1, "tau": tau["tau"],
+            "tau_change": tau["tau"] / dense_tau - 1, "kv_saved_generating": tau["kv_saved"]}
+
+
+def choose_top_p(sweep: list[dict], ppl_tolerance: float) -> dict | None:
+    """The sweep entry saving the most KV reads with ppl_change <= ppl_tolerance; None when none qualifies."""
+    ok = [r for r in sweep if r["ppl_change"] <= ppl_tolerance]
+    return max(ok, key=lambda r: (r["kv_saved"], -r["top_p"])) if ok else None
+
+
+def plot_sparsity(sweep: list[dict], ppl_tolerance: float, dense_tau: float, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.5))
+    ppl_ax, tau_ax = fig.subplots(1, 2)
+    saved = [100 * r["kv_saved"] for r in sweep]
+    for ax, key, scale, label in ((ppl_ax, "ppl_change", 100, "target perplexity change (%)"),
+                                  (tau_ax, "tau", 1, "tau (tokens per target forward)")):
+        ax.plot(saved, [scale * r[key] for r in sweep], marker="o")
+        for x, r in zip(saved, sweep):
+            ax.annotate(f"p={r['top_p']}", (x, scale * r[key]), fontsize="x-small", xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xlabel("KV reads saved (%)")
+        ax.set_ylabel(label)
+    ppl_ax.axhline(100 * ppl_tolerance, color="red", linestyle="--", linewidth=1, label="tolerance")
+    tau_ax.axhline(dense_tau, color="gray", linestyle="--", linewidth=1, label="dense")
+    for ax in (ppl_ax, tau_ax):
+        ax.legend(loc="best", fontsize="small")
+    fig.suptitle("SpecAttn: sparse verification by draft top-p")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafter: Drafter, ids: list[torch.Tensor],
+                       *, dense_first: int, top_p: list[float], ppl_tolerance: float, tau_prompts: list[list[int]],
+                       budget: DraftBudget, tau_new_tokens: int) -> tuple[dict[str, str], dict[str, float], str]:
+    """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
+    when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message)."""
+    rows = [calibration_row(target, eagle, r) for r in ids]
+    S, layer_map = fit_layer_map(rows, dense_first)
+    settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
+    dense_ppl = perplexity([r.dense_nll for r in rows])
+    dense_tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens)["tau"]
+    sweep = [measure_top_p(target, drafter, rows, SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first),
+                           dense_ppl, dense_tau, tau_prompts, budget, tau_new_tokens) for p in sorted(top_p)]
+    chosen = choose_top_p(sweep, ppl_tolerance)
+    if chosen is not None:
+        settings = SpecAttnConfig(layer_map.mapping, chosen["top_p"], layer_map.dense_first)
+    report = {"dense_perplexity": dense_ppl, "dense_tau": dense_tau, "ppl_tolerance": ppl_tolerance,
+              "sink": settings.sink, "recent": settings.recent, "rows": len(rows),
+              "tokens": sum(r.ids.numel() for r in rows), "chosen_top_p": settings.top_p, "sweep": sweep}
+    (out / "layer_map.json").write_text(layer_map.to_json() + "\n")
+    (out / "sparsity.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "specattn.json").write_text(settings.to_json() + "\n")
+    plot_layer_map(S, layer_map.mapping, out / "layer_map.png")
+    plot_sparsity(sweep, ppl_tolerance, dense_tau, out / "sparsity.png")
+
+    # per target layer: how well the best draft layer's attention predicts it (-KL, 0 is perfect)
+    metrics = {f"neg_kl_layer_{j}": float(v) for j, v in enumerate(S.max(0).values.tolist())}
+    metrics |= {"dense_perplexity": dense_ppl, "specattn_top_p": settings.top_p,
+                "kv_saved_at_ppl_tolerance": chosen["kv_saved"] if chosen else 0.0}
+    for r in sweep:
+        metrics |= {f"kv_saved_p{r['top_p']}": r["kv_saved"], f"ppl_change_p{r['top_p']}": r["ppl_change"],
+                    f"tau_p{r['top_p']}": r["tau"]}
+    outputs = {"layer_map": "layer_map.json", "layer_map_plot": "layer_map.png", "sparsity": "sparsity.json",
+               "sparsity_plot": "sparsity.png", "specattn": "specattn.json"}
+    message = (f"SpecAttn top-p {chosen['top_p']} saves {chosen['kv_saved']:.0%} of KV reads at "
+               f"{chosen['ppl_change']:+.2%} perplexity, tau {chosen['tau']:.2f} (dense {dense_tau:.2f})"
+               if chosen else f"SpecAttn: no top-p within +{ppl_tolerance:.1%} perplexity, verification stays dense")
+    return outputs, metrics, message

@@ -26,15 +26,15 @@ class RunCfg(Section):
 
 class DataCfg(Section):
     source: str = "sharegpt"  # preset name or a ShareGPT-style .json/.jsonl file
-    max_records: int = Field(2000, ge=1)
-    max_length: int = Field(512, ge=16)  # tokens per templated conversation; longer ones are truncated
+    max_records: int = Field(1200, ge=1)
+    max_length: int = Field(384, ge=16)  # tokens per templated conversation; longer ones are truncated
     min_assistant_tokens: int = Field(8, ge=1)
     val_fraction: float = Field(0.05, gt=0, lt=1)
-    regenerate: bool = False  # replace assistant turns with the target's own answers (self-distillation)
-    regen_max_new_tokens: int = Field(256, ge=1)
+    regenerate: bool = True  # replace assistant turns with the target's own answers (self-distillation)
+    regen_max_new_tokens: int = Field(160, ge=1)
     regen_temperature: float = Field(0.0, ge=0)
     regen_batch_size: int = Field(16, ge=1)  # sequences decoded together (continuous batching)
-    cache_hidden: bool = False  # store target hidden states on disk (offline distillation)
+    cache_hidden: bool = True  # store target hidden states on disk (offline distillation)
 
 
 class DrafterCfg(Section):
@@ -52,12 +52,15 @@ class DrafterCfg(Section):
 
 
 class DistillCfg(Section):
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(300, ge=1)
     batch_size: int = Field(8, ge=1)
-    lr: float = Field(3e-4, gt=0)
-    warmup: int = Field(50, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    warmup: int = Field(30, ge=0)
     ckpt_every: int = Field(100, ge=1)
     noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
+    ttt_depth: int = Field(2, ge=1)  # eagle: draft depths trained the way they are drafted (1 = teacher forcing)
+    eval_every: int = Field(100, ge=0)  # steps between simulated-tau evaluations on validation rows (0: end only)
+    eval_rows: int = Field(16, ge=1)  # validation rows in each evaluation
     deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3
     kd_loss: Literal["forward_kl", "tv"] = "forward_kl"  # lm: distance to the target's next-token distribution
 

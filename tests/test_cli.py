@@ -24,7 +24,8 @@ def tiny_data(tmp_path):
 
 @pytest.mark.slow
 def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
-    args = ["--run-id", "r1", f"data.source={tiny_data}", "data.val_fraction=0.2", "data.min_assistant_tokens=4"]
+    args = ["--run-id", "r1", f"data.source={tiny_data}", "data.val_fraction=0.2", "data.min_assistant_tokens=4",
+            "data.regenerate=false", "data.cache_hidden=false"]
     first = pipeline("run", "--stage", "prepare", *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     rec = json.loads((tmp_path / "runs/r1/prepare/stage.json").read_text())
@@ -52,6 +53,24 @@ def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
     assert status.returncode == 0 and "completed" in status.stdout
 
 
+@pytest.mark.slow
+def test_regenerated_data_and_cached_features_feed_distill(tmp_path, tiny_data):
+    args = ["--run-id", "r", f"data.source={tiny_data}", "data.val_fraction=0.2", "data.min_assistant_tokens=4",
+            "data.regenerate=true", "data.cache_hidden=true", "data.regen_max_new_tokens=8", "data.max_length=96",
+            "drafter.draft_vocab=512", "distill.steps=2", "distill.batch_size=2", "distill.eval_rows=4"]
+    prep = pipeline("run", "--stage", "prepare", *args, cwd=tmp_path)
+    assert prep.returncode == 0, prep.stderr
+    out = tmp_path / "runs/r/prepare"
+    metrics = json.loads((out / "stage.json").read_text())["metrics"]
+    assert metrics["train_rows"] + metrics["val_rows"] == 40 and metrics["train_loss_tokens"] == 8 * metrics["train_rows"]
+    assert sorted(p.name for p in (out / "features").iterdir()) == ["train-00000.safetensors", "val-00000.safetensors"]
+    assert not list((tmp_path / "runs/r").glob(".prepare-work*"))  # resumable work is gone once the stage is done
+    distill = pipeline("run", "--stage", "distill", *args, cwd=tmp_path)
+    assert distill.returncode == 0, distill.stderr
+    metrics = json.loads((tmp_path / "runs/r/distill/stage.json").read_text())["metrics"]
+    assert metrics["offline_features"] == 1 and 1.0 <= metrics["eval_sim_tau"] <= 7.0
+
+
 def test_bad_override_is_one_line(tmp_path):
     res = pipeline("run", "distill.stepz=1", cwd=tmp_path)
     assert res.returncode == 2 and "unknown key 'distill.stepz'" in res.stderr and "Traceback" not in res.stderr
@@ -62,7 +81,8 @@ def test_stage_is_tracked_in_mlflow(tmp_path, tiny_data):
     import mlflow
 
     res = pipeline("run", "--stage", "prepare", "--run-id", "r2", f"data.source={tiny_data}",
-                   "data.val_fraction=0.2", "data.min_assistant_tokens=4", cwd=tmp_path)
+                   "data.val_fraction=0.2", "data.min_assistant_tokens=4", "data.regenerate=false",
+                   "data.cache_hidden=false", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     runs = {r.info.run_name: r for r in mlflow.search_runs(experiment_names=["draftsmith"], output_format="list")}

@@ -126,10 +126,12 @@ def _group_codes(x_ptr, group, HALF: tl.constexpr, QMAX: tl.constexpr):
     base = x_ptr + group.to(tl.int64) * (2 * HALF)
     even = tl.load(base + 2 * offs).to(tl.float32)
     odd = tl.load(base + 2 * offs + 1).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)) / QMAX
+    # div_rn: IEEE round-to-nearest division, as torch's; Triton's `/` on fp32 is approximate on GPUs, which
+    # flipped codes whose quotient lands on a .5 boundary (measured on an H100, docs/gpu.md)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)), QMAX * 1.0)
     safe = tl.where(scale > 0, scale, 1.0)
-    q_even = tl.minimum(tl.maximum(tl.floor(even / safe + 0.5), -QMAX), QMAX).to(tl.int32)
-    q_odd = tl.minimum(tl.maximum(tl.floor(odd / safe + 0.5), -QMAX), QMAX).to(tl.int32)
+    q_even = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(even, safe) + 0.5), -QMAX), QMAX).to(tl.int32)
+    q_odd = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(odd, safe) + 0.5), -QMAX), QMAX).to(tl.int32)
     return q_even, q_odd, scale
 
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from pipeline.errors import DraftsmithError
 from runtime.bundle import BundleError
+from runtime.gpu_bench import add_arguments as add_random_weights_arguments
 
 console = Console(stderr=True)
 EXIT_GATE_FAILED = 3  # validate ran and its gate said no (the DAG branches on it); 1 = a stage failed, 2 = bad input
@@ -113,6 +114,12 @@ def cmd_bench(args) -> int:
     from runtime.drafter import DraftBudget
     from runtime.drafters import build_drafter
 
+    if args.random_weights:  # issue #8: random weights of a named shape, e.g. on a GPU without a checkpoint
+        from runtime.gpu_bench import bench_from_args
+
+        write_json_atomic(Path(args.out), bench_from_args(args))
+        console.print(f"wrote {args.out}")
+        return 0
     prompts = default_bench_prompts()
     if args.prompts:
         path = Path(args.prompts)
@@ -177,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--width", type=int, default=1)
     b.add_argument("--nodes", type=int, default=0)
     b.add_argument("--out", default="bench.json")
+    add_random_weights_arguments(b)
     b.set_defaults(fn=cmd_bench)
     return p
 

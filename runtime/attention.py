@@ -30,7 +30,9 @@ from torch import Tensor
 from kernels.topp import topp_mask
 
 BACKEND_ENV = "DRAFTSMITH_ATTENTION_BACKEND"
-AUTO_ORDER = ("flashinfer", "sdpa")  # fastest first; a name is skipped until a backend registers it
+# fastest first, as measured; a name is skipped until a backend registers it. flashinfer is correct on an H100
+# but was slower than SDPA at every size measured (docs/gpu.md), so it runs only when named.
+AUTO_ORDER = ("sdpa",)
 
 
 class AttentionBackend(abc.ABC):
@@ -90,7 +92,7 @@ class SdpaBackend(AttentionBackend):
 
     def __call__(self, q, keys, values, mask, keep):
         qg, mask_g = _grouped(q, keys, mask, keep)
-        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask_g).view(q.shape)
+        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask_g).reshape(q.shape)
 
 
 register_backend(SdpaBackend())

@@ -107,13 +107,16 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     return report
 
 
-def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool) -> dict:
-    """Wall time and tokens of every method over all prompts, after one warm-up generation each."""
+def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool,
+            outputs: dict[str, list[list[int]]] | None = None) -> dict:
+    """Wall time and tokens of every method over all prompts, after one warm-up generation each. `outputs`, if
+    given, receives every method's generated tokens per prompt."""
     for run in methods.values():  # warm-up: allocator, kernels, caches
         run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
     gens = {name: torch.Generator().manual_seed(seed) for name in methods}
     totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0} for name in methods}
-    outputs: dict[str, list[list[int]]] = {name: [] for name in methods}
+    outputs = {} if outputs is None else outputs
+    outputs.update({name: [] for name in methods})
     for ids in prompt_ids:  # methods interleaved per prompt: a load change on a shared machine hits all alike
         for name, run in methods.items():
             start = time.perf_counter()
@@ -161,8 +164,9 @@ def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams,
     sampling = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature,
                                                             "top_k": params.top_k, "top_p": params.top_p}
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
-                          pad_token_id=stop_ids[0] if stop_ids else None, assistant_model=assistant, **sampling)
+        out = hf.generate(torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens,
+                          eos_token_id=list(stop_ids) or None, pad_token_id=stop_ids[0] if stop_ids else None,
+                          assistant_model=assistant, **sampling)
     return out[0, len(ids):].tolist()
 
 

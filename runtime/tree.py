@@ -23,7 +23,7 @@ class DraftTree:
         n = self.tokens.numel()
         if self.parents.numel() != n:
             raise ValueError(f"DraftTree: {n} tokens but {self.parents.numel()} parents")
-        if n and bool((self.parents >= torch.arange(n)).any()):
+        if n and bool((self.parents >= torch.arange(n, device=self.parents.device)).any()):
             raise ValueError("DraftTree: every parent must come before its child")
 
     @staticmethod

@@ -1,0 +1,250 @@
+"""`pipeline bench --random-weights CONFIG`: the benchmark on a GPU with random weights of a named shape (issue #8).
+
+No checkpoint is needed, so it runs where no weights can be carried (the lent GPU machine has no network): our
+Transformer is built from a named config with random weights, the HF LlamaForCausalLM from the same config gets
+the same weights (runtime.model.hf_state_dict), and the same runtime.bench.measure times, on the same random
+prompts:
+  hf_generate     HF transformers `generate`, greedy (DynamicCache, sdpa attention)
+  ours_ar         our Engine without a drafter (eager PyTorch)
+  ours_ar_graph   our greedy decode with the one-token step captured in a CUDA graph (runtime.cuda_graphs)
+  ours_spec       our Engine with `ReplayDrafter`: a chain drafter replaying a configured acceptance pattern
+Random weights make the speed numbers valid (the arithmetic and bytes moved do not depend on the values) but
+say nothing about real acceptance: ReplayDrafter knows the target's greedy continuation (from a prior run of
+ours_ar) and proposes, per chain position, the right token with probability `accept_rate` until the first wrong
+one. Its drafting costs nothing (a list lookup), so ours_spec is the verify-side ceiling for that acceptance, not
+a drafter's real speedup. Stop tokens are disabled: every method generates exactly max_new_tokens.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from runtime.drafter import DraftBudget, Drafter
+from runtime.model import ModelConfig, Transformer, hf_config, hf_state_dict
+from runtime.tree import DraftTree
+
+RANDOM_CONFIGS: dict[str, dict] = {
+    "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M(-Instruct) shape
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        "max_position_embeddings": 8192, "tie_word_embeddings": True, "hidden_act": "silu"},
+    "llama3-8b": {  # Meta-Llama-3-8B shape
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+
+
+class ReplayDrafter(Drafter):
+    """Chain drafter replaying an acceptance pattern over known greedy continuations (see module docstring).
+    `references` maps a prompt (tuple of ids) to prompt + its greedy continuation; unknown prompts (warm-up) get
+    wrong tokens only."""
+
+    def __init__(self, vocab_size: int, references: dict[tuple[int, ...], list[int]], accept_rate: float,
+                 seed: int = 0):
+        self.vocab_size, self.references, self.accept_rate = vocab_size, references, accept_rate
+        self.rng = random.Random(seed)
+        self.tokens: list[int] = []
+        self.device = torch.device("cpu")
+        self.reference: list[int] = []
+
+    def reset(self, tokens, features):
+        self.tokens, self.device = tokens.tolist(), tokens.device
+        prompt = tuple(self.tokens[:-1])
+        self.reference = self.references.get(prompt, [])
+
+    def commit(self, tokens, features):
+        self.tokens += tokens.tolist()
+
+    def propose(self, budget, params, generator=None):
+        out, on_track = [], True
+        for depth in range(budget.depth):
+            pos = len(self.tokens) + depth
+            right = self.reference[pos] if pos < len(self.reference) else 0
+            on_track = on_track and pos < len(self.reference) and self.rng.random() < self.accept_rate
+            out.append(right if on_track else (right + 1) % self.vocab_size)
+        return DraftTree.chain(torch.tensor(out, dtype=torch.long, device=self.device))
+
+
+def random_models(name: str, dtype: torch.dtype, device: str, max_seq_len: int, seed: int = 0,
+                  with_hf: bool = True):
+    """(ours, hf or None) with identical random weights, for RANDOM_CONFIGS[name]."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in RANDOM_CONFIGS:
+        raise ValueError(f"random-weights config {name!r}: expected one of {sorted(RANDOM_CONFIGS)}")
+    cfg = ModelConfig.from_hf(RANDOM_CONFIGS[name])
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise in the target dtype: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            ours = Transformer(cfg, max_seq_len)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():  # embedding N(0, 0.02) (HF's init), matrices N(0, 1/fan_in): varied greedy continuations
+        for pname, w in ours.named_parameters():  # (the default init's N(0, 1) tied embedding repeats one token)
+            if w.dim() == 2:
+                w.normal_(0.0, 0.02 if "embeddings" in pname else w.shape[1] ** -0.5)
+    from runtime.model import rope_tables
+
+    ours.rope_cos, ours.rope_sin = (t.to(device=device, dtype=dtype) for t in rope_tables(cfg, max_seq_len))
+    ours = ours.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if not with_hf:
+        return ours, None
+    d = dict(hf_config(cfg))
+    hcfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hcfg, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(ours), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF weights do not line up: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    hf = hf.eval().requires_grad_(False)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return ours, hf
+
+
+def random_prompts(vocab: int, n: int, seed: int, lengths: tuple[int, int] = (16, 64)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def device_copy_bandwidth(device: str, n_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes copied per second by a large on-device copy (same convention as runtime.bench.copy_bandwidth)."""
+    src = torch.randn(n_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return n_bytes / best
+
+
+def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.bfloat16,
+                     device: str = "cuda", budget: DraftBudget = DraftBudget(5), accept_rate: float = 0.8,
+                     graphs: bool = True, seed: int = 0, print_table: bool = True) -> dict:
+    from runtime.bench import device_name, hf_generate, measure, print_report, weight_bytes_per_token
+    from runtime.engine import Engine, EngineConfig
+    from runtime.sampling import SamplingParams
+
+    vocab = RANDOM_CONFIGS[name]["vocab_size"]
+    prompts = random_prompts(vocab, n_prompts, seed)
+    max_seq_len = max(map(len, prompts)) + max_new_tokens + budget.max_nodes + 8
+    t0 = time.perf_counter()
+    ours, hf = random_models(name, dtype, device, max_seq_len, seed)
+    build_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0)
+    cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget, adaptive=False)
+
+    # references for the replay drafter: our own greedy continuation, long enough for the last draft
+    ar_engine = Engine(ours, None, cfg)
+    references = {tuple(p): p + ar_engine.generate(p, max_new_tokens + budget.depth + 1, params).tokens
+                  for p in prompts}
+
+    def ours_method(engine: Engine):
+        def run(ids, gen):
+            out = engine.generate(ids, max_new_tokens, params, gen, ())
+            return out.tokens, out
+        return run
+
+    methods = {"hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, (), gen), None),
+               "ours_ar": ours_method(ar_engine)}
+    capture_s = None
+    if graphs and torch.device(device).type == "cuda":
+        from runtime.cuda_graphs import GraphedGreedyDecoder
+
+        t0 = time.perf_counter()
+        decoder = GraphedGreedyDecoder(ours, max_seq_len)
+        capture_s = time.perf_counter() - t0
+        methods["ours_ar_graph"] = lambda ids, gen: (decoder.generate(ids, max_new_tokens), None)
+    drafter = ReplayDrafter(vocab, references, accept_rate, seed)
+    methods["ours_spec"] = ours_method(Engine(ours, drafter, cfg))
+
+    outputs: dict[str, list[list[int]]] = {}
+    bandwidth = device_copy_bandwidth(device) if torch.device(device).type == "cuda" else None
+    results = measure(methods, prompts, seed, compare_tokens=True, outputs=outputs)
+    for method, r in results.items():  # greedy agreement with our AR, token by token
+        prefixes = [common_prefix(a, b) for a, b in zip(outputs[method], outputs["ours_ar"])]
+        r["matching_prefix_min"] = min(prefixes)
+        r["matching_prefix_mean"] = sum(prefixes) / len(prefixes)
+        r["ms_per_token"] = 1e3 * r["seconds"] / r["new_tokens"]
+    if bandwidth is None:
+        from runtime.bench import copy_bandwidth
+
+        bandwidth = copy_bandwidth()
+    wbytes = weight_bytes_per_token(ours)
+    floor_ms = 1e3 * wbytes / bandwidth
+    report = {
+        "target": f"random:{name}", "random_weights": True, "drafter": f"replay(accept_rate={accept_rate}, "
+        f"depth={budget.depth}, zero-cost)", "dtype": str(dtype).removeprefix("torch."), "prompts": len(prompts),
+        "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": max_new_tokens, "temperature": 0.0,
+        "device": device_name(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": wbytes, "floor_ms_per_token": floor_ms,
+        "ours_ar_fraction_of_floor": floor_ms / results["ours_ar"]["decode_ms_per_forward"],
+        "build_s": build_s, "graph_capture_s": capture_s, "methods": results}
+    if print_table:
+        print_report(report)
+        for m, r in results.items():
+            print(f"  {m:<14} {r['ms_per_token']:.2f} ms/token; matching prefix vs ours_ar min "
+                  f"{r['matching_prefix_min']} mean {r['matching_prefix_mean']:.1f} of {max_new_tokens}")
+    del ours, hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return report
+
+
+def add_arguments(ap) -> None:
+    """The random-weights flags, shared by `pipeline bench` and `python -m runtime.gpu_bench`."""
+    ap.add_argument("--random-weights", metavar="CONFIG", choices=sorted(RANDOM_CONFIGS),
+                    help="benchmark random weights of this shape instead of --target (no checkpoint needed)")
+    ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--n-prompts", type=int, default=5, help="random prompts (16..64 tokens)")
+    ap.add_argument("--accept-rate", type=float, default=0.8,
+                    help="replay drafter: probability each chain position proposes the right token")
+    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph AR row")
+
+
+def bench_from_args(args) -> dict:
+    return run_random_bench(args.random_weights, args.n_prompts, args.max_new_tokens,
+                            dtype=getattr(torch, args.dtype),
+                            device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                            budget=DraftBudget(depth=args.depth, width=1), accept_rate=args.accept_rate,
+                            graphs=not args.no_graphs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="random-weights benchmark (see runtime/gpu_bench.py)")
+    add_arguments(ap)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--out", help="write the report as JSON here")
+    args = ap.parse_args(argv)
+    if args.random_weights is None:
+        ap.error("--random-weights CONFIG is required")
+    report = bench_from_args(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

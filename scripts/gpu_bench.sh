@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
+# Optional: FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+{
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -m kernels.gpu_check --out "$OUT/kernels.json"
+python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
+python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --out "$OUT/smollm2_bf16.json"
+python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --out "$OUT/llama3_8b_bf16.json"
+if [ -n "$FLASHINFER_WHEELS" ]; then
+  echo "== flashinfer"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fi "$FLASHINFER_WHEELS"/*.whl \
+    && PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} python3 -m kernels.flashinfer_attention
+  echo "flashinfer exit $?"
+fi
+} 2>&1 | tee "$OUT/all.log"

@@ -48,7 +48,7 @@ def _check_packed(packed: torch.Tensor, scale: torch.Tensor) -> None:
 def _scale_and_codes(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] float -> (scale [...] fp32, integer-valued fp32 codes [..., n]) over the last dim."""
     x = x.float()
-    scale = x.abs().amax(-1) / qmax
+    scale = x.abs().amax(-1) * (1.0 / qmax)  # a product, not a quotient: torch on CUDA divides by a scalar this way
     safe = torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
     return scale, torch.floor(x / safe + 0.5).clamp(-qmax, qmax)  # round half up, exactly as the kernels do
 
@@ -126,9 +126,10 @@ def _group_codes(x_ptr, group, HALF: tl.constexpr, QMAX: tl.constexpr):
     base = x_ptr + group.to(tl.int64) * (2 * HALF)
     even = tl.load(base + 2 * offs).to(tl.float32)
     odd = tl.load(base + 2 * offs + 1).to(tl.float32)
-    # div_rn: IEEE round-to-nearest division, as torch's; Triton's `/` on fp32 is approximate on GPUs, which
-    # flipped codes whose quotient lands on a .5 boundary (measured on an H100, docs/gpu.md)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)), QMAX * 1.0)
+    # Bit-exact with the torch reference on any device: the scale is one fp32 product with 1/QMAX (as torch on
+    # CUDA computes a division by a scalar), and codes use IEEE division (div_rn), since Triton's fp32 `/` is
+    # approximate on GPUs and flipped quotients lying on a .5 boundary (measured on an H100, docs/gpu.md)
+    scale = tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)) * (1.0 / QMAX)
     safe = tl.where(scale > 0, scale, 1.0)
     q_even = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(even, safe) + 0.5), -QMAX), QMAX).to(tl.int32)
     q_odd = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(odd, safe) + 0.5), -QMAX), QMAX).to(tl.int32)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 from pipeline.errors import DraftsmithError
 from pipeline.stages import StageContext

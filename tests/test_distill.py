@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from helpers import self_distilled_rows
 from export.bundle import write_bundle
 from runtime.bundle import read_bundle
 from runtime.drafter import DraftBudget
@@ -11,7 +12,6 @@ from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 from train import recipes
 from train.batches import Batches
-from train.data import TokenizedSet
 from train.trainer import TrainSpec, train
 
 
@@ -24,15 +24,7 @@ def target(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def self_distilled(target):
-    """The target's own greedy continuations of random prompts: what regeneration gives a real drafter."""
-    engine = Engine(target, None, EngineConfig(max_seq_len=256))
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(24):
-        prompt = torch.randint(0, 96, (6,), generator=g).tolist()
-        out = engine.generate(prompt, 40, SamplingParams()).tokens
-        rows.append((prompt + out, [0] * len(prompt) + [1] * len(out)))
-    return TokenizedSet.from_rows(rows)
+    return self_distilled_rows(target, rows=24, prompt_vocab=96, new_tokens=40)
 
 
 def _train(model, loss_fn, data, steps, tmp_path, lr):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import run_stage_on, self_distilled_rows
 from export.bundle import write_bundle
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from pipeline.config import Config
@@ -26,7 +27,6 @@ from runtime.model import Transformer, hf_config, hf_state_dict
 from runtime.sampling import SamplingParams
 from train import recipes
 from train.batches import Batches
-from train.data import TokenizedSet
 from train.losses import KD_DISTANCES
 from train.trainer import TrainSpec, train
 
@@ -46,15 +46,7 @@ def target(target_dir):
 
 @pytest.fixture(scope="module")
 def self_distilled(target):
-    """The target's own greedy continuations of random prompts: what regeneration gives a real drafter."""
-    engine = Engine(target, None, EngineConfig(max_seq_len=256))
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(16):
-        prompt = torch.randint(0, VOCAB, (6,), generator=g).tolist()
-        out = engine.generate(prompt, 34, SamplingParams()).tokens
-        rows.append((prompt + out, [0] * len(prompt) + [1] * len(out)))
-    return TokenizedSet.from_rows(rows)
+    return self_distilled_rows(target, rows=16, prompt_vocab=VOCAB, new_tokens=34)
 
 
 def _perturbed(model, seed=0, scale=0.05):
@@ -217,14 +209,6 @@ def test_lm_step_exports_to_onnx(target, tmp_path):
 # ---------------------------------------------------------------- distill -> export -> validate
 
 
-def _run(store: RunStore, stage: str, cfg: Config, target_dir, fn) -> dict:
-    def body(out):
-        ctx = StageContext(cfg, store, out, f"digest-{stage}")
-        ctx.__dict__["target_dir"] = target_dir  # the cached_property, without resolving a preset
-        return fn(ctx)
-    return store.run_stage(stage, f"digest-{stage}", body)
-
-
 def test_lm_bundle_from_distill_exports_and_validates_with_hf_assisted_peer(tmp_path, target_dir, target,
                                                                             self_distilled):
     cfg = Config.model_validate({
@@ -240,20 +224,20 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_assisted_peer(tmp_
         self_distilled.save(ctx.out / "val.safetensors")
         return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"})
 
-    _run(store, "prepare", cfg, target_dir, prepare)
-    rec = _run(store, "distill", cfg, target_dir, run_distill)
+    run_stage_on(store, "prepare", cfg, target_dir, prepare)
+    rec = run_stage_on(store, "distill", cfg, target_dir, run_distill)
     assert rec["metrics"]["tau"] >= 1.0 and rec["message"].startswith("lm: tau")
     config = json.loads((store.stage_dir("distill") / "drafter_config.json").read_text())
     assert config["kind"] == "lm" and config["model"]["n_layers"] == 1 and config["draft_vocab"] == 64
 
-    _run(store, "export", cfg, target_dir, run_export)
+    run_stage_on(store, "export", cfg, target_dir, run_export)
     bundle = read_bundle(store.stage_dir("export") / "bundle", target_fingerprint(target_dir))
     assert bundle.has(ONNX_FILE) and bundle.manifest["onnx"]["kind"] == "lm"
     assert bundle.manifest["onnx"]["parity"]["passed"]
     drafter = build_drafter(bundle, target, 256)
     assert isinstance(drafter, LMDrafter) and drafter.head.keep_ids.numel() == 64
 
-    rec = _run(store, "validate", cfg, target_dir, run_validate)
+    rec = run_stage_on(store, "validate", cfg, target_dir, run_validate)
     report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
     assert rec["status"] == "completed" and report["metrics"]["lossless"] is True
     row = report["temperatures"][0]

@@ -1,5 +1,4 @@
 """Continuous-batched generation, self-distillation regeneration (resumable after a kill), the feature cache."""
-import json
 import os
 import subprocess
 import sys

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from helpers import self_distilled_rows
 from runtime.model import Transformer
 from train import recipes
 from train.recipes import eagle_loss, simulated_chain
@@ -36,20 +37,11 @@ def test_unroll_equals_sequential_drafting(target):
 
 
 def test_training_through_the_unroll_raises_deep_acceptance(target, tmp_path):
-    from runtime.engine import Engine, EngineConfig
-    from runtime.sampling import SamplingParams
     from train.batches import Batches
-    from train.data import TokenizedSet
     from train.trainer import TrainSpec, train
 
-    engine = Engine(target, None, EngineConfig(max_seq_len=128))
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(24):
-        prompt = torch.randint(0, 96, (6,), generator=g).tolist()
-        out = engine.generate(prompt, 40, SamplingParams()).tokens
-        rows.append((prompt + out, [0] * len(prompt) + [1] * len(out)))
-    data = Batches(TokenizedSet.from_rows(rows), 8, seed=0)
+    data = Batches(self_distilled_rows(target, rows=24, prompt_vocab=96, new_tokens=40, max_seq_len=128), 8,
+                   seed=0)
     model = recipes.build_eagle(target, torch.arange(96), from_target=False)
     before = simulated_chain(model, target, [data.batch_at(0)], depth=4)
     history = []

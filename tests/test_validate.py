@@ -4,13 +4,13 @@ import json
 import pytest
 import torch
 
+from helpers import run_stage_on
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
 from pipeline.export_stage import run_export
 from pipeline.home import sha256_file
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
-from pipeline.stages import StageContext
 from pipeline.validate import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate
 from runtime.bundle import MANIFEST, BundleError
 from train.data import TokenizedSet
@@ -23,14 +23,6 @@ def _config(**sections) -> Config:
             "validate": {"num_prompts": 2, "max_new_tokens": 12, "temperatures": [0.0, 0.8],
                          "gate": {"min_tau": 1.0, "min_speedup": 0.0}}}
     return Config.model_validate({**base, **sections})
-
-
-def _run(store: RunStore, stage: str, cfg: Config, target_dir, fn) -> dict:
-    def body(out):
-        ctx = StageContext(cfg, store, out, f"digest-{stage}")
-        ctx.__dict__["target_dir"] = target_dir  # the cached_property, without resolving a preset
-        return fn(ctx)
-    return store.run_stage(stage, f"digest-{stage}", body)
 
 
 def _prepared_store(tmp_path, target_dir, drafter_files) -> RunStore:
@@ -51,8 +43,8 @@ def _prepared_store(tmp_path, target_dir, drafter_files) -> RunStore:
         return StageResult(outputs={"config": "drafter_config.json"})
 
     cfg = _config()
-    _run(store, "prepare", cfg, target_dir, prepare)
-    _run(store, "distill", cfg, target_dir, distill)
+    run_stage_on(store, "prepare", cfg, target_dir, prepare)
+    run_stage_on(store, "distill", cfg, target_dir, distill)
     return store
 
 
@@ -63,7 +55,7 @@ def _ngram_files():
 @pytest.fixture
 def exported(tmp_path, tiny_llama_dir):
     store = _prepared_store(tmp_path, tiny_llama_dir, _ngram_files())
-    _run(store, "export", _config(), tiny_llama_dir, run_export)
+    run_stage_on(store, "export", _config(), tiny_llama_dir, run_export)
     return store
 
 
@@ -100,8 +92,8 @@ def test_export_copies_calibration_reports_and_checks_onnx(tmp_path, tiny_llama_
         (ctx.out / "unlisted.json").write_text("{}")
         return StageResult(outputs={"layer_map": "layer_map.json"})
 
-    _run(store, "calibrate", _config(), tiny_llama_dir, calibrate)
-    _run(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
+    run_stage_on(store, "calibrate", _config(), tiny_llama_dir, calibrate)
+    run_stage_on(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
     bundle = store.stage_dir("export") / "bundle"
     manifest = json.loads((bundle / MANIFEST).read_text())
     assert set(manifest["files"]) == {"drafter_config.json", "drafter.safetensors", "layer_map.json", "drafter.onnx"}
@@ -121,12 +113,12 @@ def test_export_fails_when_onnx_parity_fails(tmp_path, tiny_llama_dir, monkeypat
     monkeypatch.setattr(onnx_export, "check_onnx_parity", disagreeing)
     store = _prepared_store(tmp_path, tiny_llama_dir, _medusa_files(tiny_llama_dir))
     with pytest.raises(DraftsmithError, match="drafter.onnx disagrees with the torch drafter"):
-        _run(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
+        run_stage_on(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
     assert store.record("export") is None and not store.stage_dir("export").exists()
 
 
 def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
-    rec = _run(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    rec = run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
     out = exported.stage_dir("validate")
     assert rec["status"] == "completed"
     for name in (REPORT_JSON, REPORT_MD, ACCEPTANCE_PNG, SPEEDUP_PNG):
@@ -144,7 +136,7 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
 
 def test_validate_gate_failure_names_tau(exported, tiny_llama_dir):
     cfg = _config(validate={"num_prompts": 1, "max_new_tokens": 8, "gate": {"min_tau": 100}})
-    rec = _run(exported, "validate", cfg, tiny_llama_dir, run_validate)
+    rec = run_stage_on(exported, "validate", cfg, tiny_llama_dir, run_validate)
     assert rec["status"] == "gate_failed" and "tau" in rec["message"]
     report = json.loads((exported.stage_dir("validate") / REPORT_JSON).read_text())
     assert not report["gate"]["passed"] and any("min_tau" in r for r in report["gate"]["reasons"])
@@ -154,5 +146,5 @@ def test_validate_refuses_a_tampered_bundle(exported, tiny_llama_dir):
     config = exported.stage_dir("export") / "bundle" / "drafter_config.json"
     config.write_text(json.dumps({"kind": "ngram", "max_ngram": 1}))
     with pytest.raises(BundleError, match="tampered"):
-        _run(exported, "validate", _config(), tiny_llama_dir, run_validate)
+        run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
     assert exported.record("validate") is None  # nothing half-written for register to find

@@ -40,14 +40,18 @@ def ngram_drafter_factory(spec: str, target: Transformer) -> Drafter:
     return NgramDrafter(target.config.vocab_size)
 
 
-def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second of a large tensor copy, best of `repeats` (into a preallocated tensor: no page faults)."""
-    src = torch.ones(n_bytes // 4, dtype=torch.float32)
+def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second of a large tensor copy on `device`, best of `repeats` (into a preallocated tensor: no page
+    faults; on CUDA the copy is synchronised on both sides, since it runs asynchronously)."""
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - start)
     return n_bytes / best
 

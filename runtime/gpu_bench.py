@@ -120,24 +120,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def device_copy_bandwidth(device: str, n_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes copied per second by a large on-device copy (same convention as runtime.bench.copy_bandwidth)."""
-    src = torch.randn(n_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return n_bytes / best
-
-
 def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cuda", budget: DraftBudget = DraftBudget(5), accept_rate: float = 0.8,
                      graphs: bool = True, seed: int = 0, print_table: bool = True) -> dict:
-    from runtime.bench import device_name, hf_generate, measure, print_report, weight_bytes_per_token
+    from runtime.bench import copy_bandwidth, device_name, hf_generate, measure, print_report, weight_bytes_per_token
     from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
@@ -175,17 +161,14 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
     methods["ours_spec"] = ours_method(Engine(ours, drafter, cfg))
 
     outputs: dict[str, list[list[int]]] = {}
-    bandwidth = device_copy_bandwidth(device) if torch.device(device).type == "cuda" else None
+    on_gpu = torch.device(device).type == "cuda"
+    bandwidth = copy_bandwidth(1 << 30, 10, device) if on_gpu else copy_bandwidth()
     results = measure(methods, prompts, seed, compare_tokens=True, outputs=outputs)
     for method, r in results.items():  # greedy agreement with our AR, token by token
         prefixes = [common_prefix(a, b) for a, b in zip(outputs[method], outputs["ours_ar"])]
         r["matching_prefix_min"] = min(prefixes)
         r["matching_prefix_mean"] = sum(prefixes) / len(prefixes)
         r["ms_per_token"] = 1e3 * r["seconds"] / r["new_tokens"]
-    if bandwidth is None:
-        from runtime.bench import copy_bandwidth
-
-        bandwidth = copy_bandwidth()
     wbytes = weight_bytes_per_token(ours)
     floor_ms = 1e3 * wbytes / bandwidth
     report = {
@@ -201,9 +184,6 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
         for m, r in results.items():
             print(f"  {m:<14} {r['ms_per_token']:.2f} ms/token; matching prefix vs ours_ar min "
                   f"{r['matching_prefix_min']} mean {r['matching_prefix_mean']:.1f} of {max_new_tokens}")
-    del ours, hf
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return report
 
 

@@ -81,20 +81,6 @@ def gate_reasons(metrics: dict, gate: GateCfg) -> list[str]:
     return reasons
 
 
-def hf_causal_lm(model):
-    """An HF transformers causal LM with the weights of our `model` (runtime.model.Transformer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from runtime.model import hf_config, hf_state_dict
-
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config(model.config)), dtype=model.dtype)
-    weights = hf_state_dict(model)
-    if model.config.tie_embeddings:  # HF's module lists the tied lm_head under its own name too
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    hf.load_state_dict(weights, strict=True)
-    return hf.eval()
-
-
 def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[float]) -> dict:
     """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
     from transformers import AutoModelForCausalLM
@@ -126,6 +112,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     methods: dict[str, Generate] = {name: ours(e) for name, e in engines.items()}
     methods["hf"] = lambda ids, params, gen: (hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen), None)
     if bundle.kind == "lm":  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
+        from runtime.model import hf_causal_lm
+
         assistant = hf_causal_lm(drafter.model)
         methods[ASSISTED] = lambda ids, params, gen: (
             hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, assistant=assistant), None)

@@ -22,7 +22,7 @@ import time
 import torch
 
 from runtime.drafter import DraftBudget, Drafter
-from runtime.model import ModelConfig, Transformer, hf_config, hf_state_dict
+from runtime.model import ModelConfig, Transformer, hf_causal_lm, rope_tables
 from runtime.tree import DraftTree
 
 RANDOM_CONFIGS: dict[str, dict] = {
@@ -75,8 +75,6 @@ class ReplayDrafter(Drafter):
 def random_models(name: str, dtype: torch.dtype, device: str, max_seq_len: int, seed: int = 0,
                   with_hf: bool = True):
     """(ours, hf or None) with identical random weights, for RANDOM_CONFIGS[name]."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if name not in RANDOM_CONFIGS:
         raise ValueError(f"random-weights config {name!r}: expected one of {sorted(RANDOM_CONFIGS)}")
     cfg = ModelConfig.from_hf(RANDOM_CONFIGS[name])
@@ -92,20 +90,11 @@ def random_models(name: str, dtype: torch.dtype, device: str, max_seq_len: int, 
         for pname, w in ours.named_parameters():  # (the default init's N(0, 1) tied embedding repeats one token)
             if w.dim() == 2:
                 w.normal_(0.0, 0.02 if "embeddings" in pname else w.shape[1] ** -0.5)
-    from runtime.model import rope_tables
-
     ours.rope_cos, ours.rope_sin = (t.to(device=device, dtype=dtype) for t in rope_tables(cfg, max_seq_len))
     ours = ours.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if not with_hf:
         return ours, None
-    d = dict(hf_config(cfg))
-    hcfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(hcfg, dtype=dtype)
-    missing, unexpected = hf.load_state_dict(hf_state_dict(ours), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"HF weights do not line up: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    hf = hf.eval().requires_grad_(False)
+    hf = hf_causal_lm(ours, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     return ours, hf

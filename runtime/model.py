@@ -436,3 +436,19 @@ def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
             hf[m + f"gate_proj.{kind}"], hf[m + f"up_proj.{kind}"] = gate, up
             hf[m + f"down_proj.{kind}"] = sd[p + f"feed_forward.w2.{kind}"]
     return {k: v.contiguous() for k, v in hf.items()}
+
+
+def hf_causal_lm(model: Transformer, **config_overrides):
+    """An HF transformers causal LM with the weights of `model`, on its device and in its dtype (eval mode);
+    `config_overrides` go into the HF config (e.g. eos_token_id=None)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = hf_config(model.config)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, **config_overrides)
+    with torch.device(model.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    weights = hf_state_dict(model)
+    if model.config.tie_embeddings:  # HF's module lists the tied lm_head under its own name too
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    hf.load_state_dict(weights, strict=True)
+    return hf.eval().requires_grad_(False)

@@ -17,13 +17,13 @@ from pipeline.export_stage import run_export
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext
-from pipeline.validate import REPORT_JSON, REPORT_MD, hf_causal_lm, run_validate
+from pipeline.validate import REPORT_JSON, REPORT_MD, run_validate
 from runtime.bundle import read_bundle
 from runtime.drafter import DraftBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.engine import Engine, EngineConfig
 from runtime.lm_drafter import LMDrafter
-from runtime.model import Transformer, hf_config, hf_state_dict
+from runtime.model import Transformer, hf_causal_lm, hf_config, hf_state_dict
 from runtime.sampling import SamplingParams
 from train import recipes
 from train.batches import Batches

@@ -1,7 +1,8 @@
 """Distillation losses over masked positions: logits [..., V] (or features [..., H]) and a bool mask [...].
 
-Every loss is computed per position in float32 and averaged over the positions where `mask` is True only,
-so padding and prompt tokens neither add to the loss nor dilute it. p is the target, q the drafter.
+Every loss is computed in float32 on the positions where `mask` is True only (selected before any softmax:
+padding and prompt rows cost nothing), so they neither add to the loss nor dilute it. p is the target, q the
+drafter.
 """
 from __future__ import annotations
 
@@ -22,25 +23,36 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0).sum() / mask.sum().clamp(min=1)
 
 
-def _distributions(target_logits: Tensor, draft_logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _masked_rows(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Both logits [N, V] in float32 on the N masked positions."""
     if target_logits.shape != draft_logits.shape:
         raise ValueError(f"target logits {tuple(target_logits.shape)} and draft logits "
                          f"{tuple(draft_logits.shape)} must have the same shape")
-    log_p = target_logits.float().log_softmax(-1)
-    return log_p.exp(), log_p, draft_logits.float().log_softmax(-1)
+    _check(mask, target_logits.shape[:-1], "distillation loss")
+    return target_logits[mask].float(), draft_logits[mask].float()
+
+
+def _distributions(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """p, log p and log q [N, V] on the N masked positions."""
+    target, draft = _masked_rows(target_logits, draft_logits, mask)
+    log_p = target.log_softmax(-1)
+    return log_p.exp(), log_p, draft.log_softmax(-1)
+
+
+def _mean(per_position: Tensor) -> Tensor:
+    return per_position.sum() / max(per_position.numel(), 1)  # 0 when no position is masked in
 
 
 def kl_divergence(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
     """Forward KL(p || q) = sum p (log p - log q): mass-covering, what acceptance min(1, p/q) rewards."""
-    p, log_p, log_q = _distributions(target_logits, draft_logits)
-    per_position = torch.where(p > 0, p * (log_p - log_q), 0).sum(-1)  # 0 log 0 = 0, even where q is 0 too
-    return masked_mean(per_position, mask)
+    p, log_p, log_q = _distributions(target_logits, draft_logits, mask)
+    return _mean(torch.where(p > 0, p * (log_p - log_q), 0).sum(-1))  # 0 log 0 = 0, even where q is 0 too
 
 
 def total_variation(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
     """TV(p, q) = 1/2 sum |p - q| in [0, 1]; 1 - TV is the chance a sampled draft token is accepted."""
-    p, _, log_q = _distributions(target_logits, draft_logits)
-    return masked_mean(0.5 * (p - log_q.exp()).abs().sum(-1), mask)
+    p, _, log_q = _distributions(target_logits, draft_logits, mask)
+    return _mean(0.5 * (p - log_q.exp()).abs().sum(-1))
 
 
 # distill.kd_loss -> the distance an LM drafter minimises to the target's next-token distribution
@@ -49,8 +61,9 @@ KD_DISTANCES = {"forward_kl": kl_divergence, "tv": total_variation}
 
 def soft_cross_entropy(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
     """-sum p log q: KL plus the target's entropy, same gradient for q, cheaper (no log p term)."""
-    p, _, log_q = _distributions(target_logits, draft_logits)
-    return masked_mean(-torch.where(p > 0, p * log_q, 0).sum(-1), mask)
+    target, draft = _masked_rows(target_logits, draft_logits, mask)
+    # torch's fused soft-label cross entropy; 0 * log 0 terms are 0 as long as the draft logits are finite
+    return _mean(F.cross_entropy(draft, target.softmax(-1), reduction="none"))
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
@@ -97,6 +110,6 @@ def topk_accuracy(draft_logits: Tensor, labels: Tensor, mask: Tensor, ks: tuple[
     _check(mask, labels.shape, "topk_accuracy")
     if not ks or min(ks) < 1 or max(ks) > draft_logits.shape[-1]:
         raise ValueError(f"ks={ks}: expected values in 1..{draft_logits.shape[-1]} (the vocabulary)")
-    top = draft_logits.topk(max(ks), dim=-1).indices
-    hits = (top == labels.unsqueeze(-1)).cumsum(-1).bool()  # hits[..., j]: label within the top j+1
-    return {k: float(masked_mean(hits[..., k - 1].float(), mask)) for k in ks}
+    top = draft_logits[mask].topk(max(ks), dim=-1).indices
+    hits = (top == labels[mask].unsqueeze(-1)).cumsum(-1).bool()  # hits[:, j]: label within the top j+1
+    return {k: float(_mean(hits[:, k - 1].float())) for k in ks}

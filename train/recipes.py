@@ -57,13 +57,15 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
         ids, f = batch["input_ids"], t.features
         T = ids.shape[1]
         inputs = f[:, :-1] + noise * (2 * torch.rand_like(f[:, :-1]) - 1)
-        with torch.no_grad():
-            target_logits = model.head(f)  # every depth's goal is a shifted slice of these
         total, metrics = 0.0, {}
         for d, pred in enumerate(unroll(model, ids, inputs, min(depth, T - 2)), start=1):
             n = T - d - 1  # rows j whose next token x_{j+d+1} exists; row j at depth d predicts f_{j+d}
-            pred, goal, m = pred[:, :n], f[:, d:d + n], t.mask[:, d + 1:d + 1 + n]
-            logits, goal_logits = model.head(pred), target_logits[:, d:d + n]
+            m = t.mask[:, d + 1:d + 1 + n]
+            pred, goal = pred[:, :n][m], f[:, d:d + n][m]  # loss rows only: the vocab-wide work is most of a step
+            logits = model.head(pred)
+            with torch.no_grad():
+                goal_logits = model.head(goal)
+            m = torch.ones(len(pred), dtype=torch.bool, device=pred.device)
             reg, tok = feature_regression(pred, goal, m), soft_cross_entropy(goal_logits, logits, m)
             total = total + decay ** (d - 1) * (w_feature * reg + w_token * tok)
             metrics[f"top1_d{d}"] = top1(logits, goal_logits, m)

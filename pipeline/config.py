@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import DraftsmithError
+from runtime.precision import PRECISIONS
 
 
 class Section(BaseModel):
@@ -26,7 +27,7 @@ class RunCfg(Section):
 
 class DataCfg(Section):
     source: str = "sharegpt"  # preset name or a ShareGPT-style .json/.jsonl file
-    max_records: int = Field(1200, ge=1)
+    max_records: int = Field(900, ge=1)
     max_length: int = Field(384, ge=16)  # tokens per templated conversation; longer ones are truncated
     min_assistant_tokens: int = Field(8, ge=1)
     val_fraction: float = Field(0.05, gt=0, lt=1)
@@ -52,17 +53,18 @@ class DrafterCfg(Section):
 
 
 class DistillCfg(Section):
-    steps: int = Field(300, ge=1)
+    steps: int = Field(1000, ge=1)
     batch_size: int = Field(8, ge=1)
     lr: float = Field(1e-3, gt=0)
-    warmup: int = Field(30, ge=0)
-    ckpt_every: int = Field(100, ge=1)
+    warmup: int = Field(50, ge=0)
+    ckpt_every: int = Field(250, ge=1)
     noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
     ttt_depth: int = Field(2, ge=1)  # eagle: draft depths trained the way they are drafted (1 = teacher forcing)
-    eval_every: int = Field(100, ge=0)  # steps between simulated-tau evaluations on validation rows (0: end only)
+    eval_every: int = Field(250, ge=0)  # steps between simulated-tau evaluations on validation rows (0: end only)
     eval_rows: int = Field(16, ge=1)  # validation rows in each evaluation
     deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3
     kd_loss: Literal["forward_kl", "tv"] = "forward_kl"  # lm: distance to the target's next-token distribution
+    precision: Literal[PRECISIONS] = "auto"  # training matmuls; auto: bf16 autocast where the hardware is fast
 
 
 class CalibrateCfg(Section):

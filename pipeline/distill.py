@@ -12,7 +12,9 @@ from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
 from runtime.drafters import drafter_config, drafter_module, drafter_tensors, runtime_drafter
 from runtime.engine import Engine, EngineConfig
+from runtime.precision import use_bf16
 from runtime.model import Transformer
+from runtime.quant_kv_cache import KVQuant
 from runtime.sampling import SamplingParams
 from train.batches import Batches
 from train.data import TokenizedSet, prompts_from
@@ -30,11 +32,13 @@ def draft_budget(ctx: StageContext) -> DraftBudget:
 
 
 def measure_tau(target: Transformer, drafter, prompts: list[list[int]], budget: DraftBudget,
-                max_new_tokens: int, sparse: SpecAttnConfig | None = None) -> dict:
+                max_new_tokens: int, sparse: SpecAttnConfig | None = None, kv: KVQuant | None = None) -> dict:
     """Real tau: greedy speculative generation in the runtime on held-out prompts (no fallback). With `sparse`
-    the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are reported too."""
-    engine = Engine(target, drafter, EngineConfig(max_seq_len=target.max_seq_len, budget=budget, adaptive=False,
-                                                  sparse=sparse))
+    the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are reported too; with `kv`
+    the target's and the drafter's KV histories are quantised."""
+    engine = Engine(target, drafter, EngineConfig(
+        max_seq_len=target.max_seq_len, budget=budget, adaptive=False, sparse=sparse,
+        kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent))
     forwards = tokens = 0
     saved = []
     for ids in prompts:
@@ -88,7 +92,8 @@ def run_distill(ctx: StageContext) -> StageResult:
     train_set = TokenizedSet.load(prep / "train.safetensors")
     model, loss_fn, keep = build(ctx, target, train_set)
     spec = TrainSpec(steps=s.steps, lr=s.lr, warmup=min(s.warmup, s.steps - 1), ckpt_every=s.ckpt_every,
-                     eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed)
+                     eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed,
+                     bf16_autocast=use_bf16(s.precision, target.device))
     # Checkpoints live outside the atomic stage dir, keyed by the inputs digest: a killed distill resumes.
     ckpt = ctx.store.dir / f".distill-ckpt-{ctx.digest[:16]}"
     features = load_features(prep, "train", train_set.input_ids.numel())  # None: the target runs in training

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import train.trainer as trainer
+from runtime.precision import bf16_is_fast, use_bf16
 from train.batches import Batches, shard_rows
 from train.data import TokenizedSet
 from train.losses import cross_entropy, topk_accuracy
@@ -190,6 +191,29 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
     assert {"lr", "grad_norm", "loss_tokens"} <= first.keys()
     assert evals == [False, False] and "eval_loss" in logged[2][1] and out["metrics"]["eval_loss"] < 1.0
     assert out["step"] == 60 and out["resumed_from"] == 0
+
+
+def test_bf16_autocast_runs_the_loss_in_bf16_and_keeps_fp32_weights(tmp_path):
+    dtypes, logged = [], []
+
+    def loss_fn(model, batch):
+        dtypes.append(model(batch["input_ids"][:, :1]).dtype)
+        return lm_loss(model, batch)
+
+    model = TinyLM(dropout=0.0)
+    spec = TrainSpec(steps=60, lr=3e-2, warmup=5, log_every=10, bf16_autocast=True)
+    train(model, loss_fn, Batches(tiny_set(), 8, seed=1), spec, tmp_path, log=lambda s, m: logged.append(m))
+    assert set(dtypes) == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert logged[-1]["loss"] < 0.3 * logged[0]["loss"] and logged[-1]["top1"] > 0.9
+
+
+def test_precision_auto_means_bf16_only_where_it_is_fast():
+    cpu = torch.device("cpu")
+    assert use_bf16("bf16", cpu) and not use_bf16("fp32", cpu)
+    assert use_bf16("auto", cpu) == bf16_is_fast(cpu)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        use_bf16("fp16", cpu)
 
 
 def test_resume_after_a_crash_is_bit_exact(tmp_path, straight):

@@ -58,6 +58,7 @@ class TrainSpec:
     eval_every: int = 0  # 0: evaluate only at the last step (when an eval_fn is given)
     seed: int = 0
     deepspeed: str | None = None  # zero1 | zero2 | path to a DeepSpeed JSON config (ZeRO stage 1 or 2)
+    bf16_autocast: bool = False  # forward and loss under bf16 torch.autocast; weights and AdamW stay fp32
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "keep_checkpoints", "log_every"):
@@ -357,7 +358,8 @@ def _train_step(setup: _Setup, loss_fn: LossFn, batches: Batches, spec: TrainSpe
     for micro in range(spec.grad_accum):
         shard = {k: v.to(device) for k, v in shard_rows(batch, micro * setup.world + setup.rank, shards).items()}
         share = int(shard["loss_mask"].sum()) / step_tokens  # this shard's part of the step's token mean
-        loss, metrics = loss_fn(setup.model, shard)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.bf16_autocast):
+            loss, metrics = loss_fn(setup.model, shard)
         if setup.engine is None:
             (loss * share).backward()
         else:  # DeepSpeed divides by grad_accum and averages over ranks: undo both

@@ -1,0 +1,35 @@
+"""Which float type a compute-bound job (training, batched regeneration) should run its matmuls in.
+
+bf16 autocast halves the work only where the hardware has bf16 matrix units: CUDA GPUs that support it and CPUs
+with AMX (measured on this project's 2-core Sapphire Rapids CI kind: an EAGLE training step 2.9 s -> 1.4 s).
+Elsewhere bf16 on a CPU is emulated and slower than fp32, so "auto" keeps fp32 there.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        line = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and "amx_bf16" in _cpu_flags()
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """Whether `precision` (auto | fp32 | bf16) means bf16 autocast on `device`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    return precision == "bf16" or (precision == "auto" and bf16_is_fast(device))

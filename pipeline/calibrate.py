@@ -1,4 +1,5 @@
-"""The calibrate stage: drafter weight quantisation chosen by measured tau, and the SpecAttn layer map.
+"""The calibrate stage: drafter weight quantisation chosen by measured tau, KV-cache quantisation chosen by measured
+perplexity and tau (pipeline.kv_calibration), and the SpecAttn layer map.
 
 Quantisation touches only the drafter: the target's weights and therefore its perplexity are unchanged; what a
 scheme can cost is acceptance, so each candidate is judged by the tau it reaches in the runtime.
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from export.quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
 from pipeline.distill import draft_budget, load_target, measure_tau
+from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult
 from pipeline.specattn_calibration import calibrate_specattn
 from pipeline.stages import StageContext
@@ -116,11 +118,19 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
         (c["bytes"] / quant["fp32_bytes"] for c in quant["candidates"] if c["scheme"] == quant["chosen"]), 1.0)}
     metrics.update({f"tau_{c['scheme']}": c["tau"] for c in quant["candidates"] if "tau" in c})
     message = f"quant: {quant['chosen']} (fp32 tau {quant['fp32_tau']:.2f}); "
+    c = ctx.cfg.calibrate
+    model = build_drafter_model(config, target, tensors)
+    rows = calibration_rows(val, c.prompts, c.tokens)
+    kv_outputs, kv_metrics, kv_message = calibrate_kv(
+        ctx.out, target, runtime_drafter(kind, model, target), rows, schemes=c.kv_schemes, recent=c.kv_recent,
+        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts, budget=draft_budget(ctx),
+        tau_new_tokens=s.tau_new_tokens)
+    outputs |= kv_outputs
+    metrics |= kv_metrics
+    message += kv_message + "; "
     if kind == "eagle":
-        c = ctx.cfg.calibrate
-        eagle = build_drafter_model(config, target, tensors)
         spec_outputs, spec_metrics, spec_message = calibrate_specattn(
-            ctx.out, target, eagle, runtime_drafter(kind, eagle, target), calibration_rows(val, c.prompts, c.tokens),
+            ctx.out, target, model, runtime_drafter(kind, model, target), rows,
             dense_first=c.dense_first, top_p=c.top_p, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts,
             budget=draft_budget(ctx), tau_new_tokens=s.tau_new_tokens)
         outputs |= spec_outputs

@@ -99,7 +99,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
     eos = hf.generation_config.eos_token_id
     stop_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    engine_cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget)  # serving's engine settings
+    engine_cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget, **bundle.kv_settings())  # serving's settings
     drafter = build_drafter(bundle, target, max_seq_len)
     engines = {"spec": Engine(target, drafter, engine_cfg), "ar": Engine(target, None, engine_cfg)}
 

@@ -13,6 +13,8 @@ FORMAT = "draftsmith-bundle/1"
 MANIFEST = "manifest.json"
 CONFIG = "drafter_config.json"
 WEIGHTS = "drafter.safetensors"
+KV_QUANT = "kv_quant.json"  # calibrate's KV-cache scheme (QuantSpec); absent or "none": full-precision KV
+NO_KV_QUANT = "none"
 
 
 class BundleError(ValueError):
@@ -39,6 +41,13 @@ class Bundle:
         if name not in self.manifest["files"]:
             raise BundleError(f"bundle {self.dir}: no file {name!r} in its manifest")
         return self.dir / name
+
+    def kv_settings(self) -> dict:
+        """EngineConfig fields for the calibrated KV-cache quantisation: {} when the bundle has none."""
+        if not self.has(KV_QUANT):
+            return {}
+        kv = json.loads(self.path(KV_QUANT).read_text())
+        return {} if kv["chosen"] == NO_KV_QUANT else {"kv_scheme": kv["chosen"], "kv_recent": kv["recent"]}
 
     def tensors(self, name: str = WEIGHTS) -> dict:
         from safetensors.torch import load_file

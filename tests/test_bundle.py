@@ -5,6 +5,7 @@ import torch
 
 from export.bundle import write_bundle
 from runtime.bundle import BundleError, read_bundle
+from runtime.engine import EngineConfig
 
 
 @pytest.fixture
@@ -76,3 +77,17 @@ def test_not_a_bundle(tmp_path):
     (tmp_path / "manifest.json").write_text("{broken")
     with pytest.raises(BundleError, match="not valid JSON"):
         read_bundle(tmp_path)
+
+
+@pytest.mark.parametrize("chosen, expected", [("int8", {"kv_scheme": "int8", "kv_recent": 32}), ("none", {}),
+                                              (None, {})])
+def test_kv_settings_follow_calibrate_choice(tmp_path, chosen, expected):
+    extra = {}
+    if chosen is not None:
+        (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": chosen, "recent": 32, "candidates": []}))
+        extra = {"kv_quant.json": tmp_path / "kv_quant.json"}
+    write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="dd",
+                 config={}, code_version="test", extra_files=extra)
+    settings = read_bundle(tmp_path / "b").kv_settings()
+    assert settings == expected
+    EngineConfig(**settings)  # what validate and serving build their engines with

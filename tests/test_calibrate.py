@@ -4,12 +4,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from export.layer_map import DENSE, LayerMap
 from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
+from pipeline.kv_calibration import choose_kv_scheme, quantized_nll
 from pipeline.runstore import RunStore
 from pipeline.specattn_calibration import calibration_row, choose_top_p, sparse_nll
 from pipeline.stages import StageContext
@@ -17,6 +19,7 @@ from runtime.attention import SpecAttnConfig
 from runtime.drafters import DRAFT_VOCAB
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
+from runtime.quant_kv_cache import KVQuant, QuantizedKVCache
 from runtime.sampling import SamplingParams
 from train import recipes
 from train.batches import Batches
@@ -73,7 +76,8 @@ def make_hard_to_quantise(tensors: dict, factor: float) -> None:
 
 def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outlier=0.0) -> StageContext:
     cfg = Config.model_validate({"run": {"dir": str(tmp_path)}, "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
-                                 "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P}})
+                                 "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P,
+                                               "kv_recent": 8}})  # 40-token rows: a history to quantise
     store = RunStore(tmp_path, "r1")
     prep, distill = store.stage_dir("prepare"), store.stage_dir("distill")
     prep.mkdir(parents=True)
@@ -141,6 +145,16 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert settings.top_p == best["top_p"] and m["kv_saved_at_ppl_tolerance"] == best["kv_saved"]
     assert "SpecAttn" in result.message and "specattn" in result.outputs
 
+    kv = json.loads((ctx.out / "kv_quant.json").read_text())
+    cands = {c["scheme"]: c for c in kv["candidates"]}
+    assert list(cands) == ["int8", "int4", "hier-int4"] and kv["dense_tau"] > 1.0 and kv["recent"] == 8
+    assert cands["int4"]["target_bits"] < cands["int8"]["target_bits"] <= cands["hier-int4"]["target_bits"]
+    assert cands["hier-int4"]["draft_bits"] < cands["hier-int4"]["target_bits"]  # the drafter reads the upper half
+    assert cands["int4"]["ppl_change"] > cands["int8"]["ppl_change"]  # int4 loses more than int8
+    ok = [c for c in cands.values() if c["tau_drop"] <= 0.02 and c["ppl_change"] <= 0.01]
+    assert kv["chosen"] == (min(ok, key=lambda c: (c["target_bits"], c["draft_bits"]))["scheme"] if ok else "none")
+    assert m["kv_int8_ppl_change"] == cands["int8"]["ppl_change"] and "kv_quant" in result.outputs
+
 
 def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):
     ctx = make_run(tmp_path, target_dir, distilled, tolerance=0.0, outlier=20.0)
@@ -185,3 +199,34 @@ def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, disti
     assert torch.equal(nll, row.dense_nll) and reads == dense
     nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2))
     assert reads < dense and nll.shape == row.dense_nll.shape
+
+
+def test_choose_kv_scheme_is_the_smallest_within_both_tolerances():
+    cands = [{"scheme": "int8", "tau_drop": 0.0, "ppl_change": 0.001, "target_bits": 8.5, "draft_bits": 8.5},
+             {"scheme": "int4", "tau_drop": 0.0, "ppl_change": 0.03, "target_bits": 5.0, "draft_bits": 5.0},
+             {"scheme": "hier-int4", "tau_drop": 0.01, "ppl_change": 0.001, "target_bits": 8.5, "draft_bits": 4.5}]
+    assert choose_kv_scheme(cands, 0.02, 0.01) == "hier-int4"  # int8's reads for the target, half for the drafter
+    assert choose_kv_scheme(cands, 0.02, 0.05) == "int4"
+    assert choose_kv_scheme(cands, 0.0, 0.0) == "none"
+
+
+def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(target_dir, distilled):
+    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    ids = distilled[0].row(0)[0][:40]
+    dense = quantized_nll(target, ids, None)
+    full = target.run(ids[None], target.new_cache(1, 40), torch.arange(40)[None]).logits
+    torch.testing.assert_close(dense, F.cross_entropy(full[0, :-1].float(), ids[1:], reduction="none"))
+    errors = {}
+    for scheme in ("int8", "int4"):
+        quant = KVQuant(scheme, recent=4)
+        nll = quantized_nll(target, ids, quant)
+        cache = QuantizedKVCache(N_LAYERS, 1, target.config.n_kv_heads, 40, target.config.head_dim, quant)
+        one_by_one = []
+        with torch.inference_mode():
+            for t in range(40):
+                one_by_one.append(target(ids[None, t:t + 1], cache, torch.tensor([[t]]))[0])
+                cache.advance(1)
+        torch.testing.assert_close(nll, F.cross_entropy(torch.cat(one_by_one, 1)[0, :-1].float(), ids[1:],
+                                                    reduction="none"))
+        errors[scheme] = (nll - dense).abs().mean()
+    assert 0 < errors["int8"] < errors["int4"]

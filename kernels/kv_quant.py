@@ -1,6 +1,6 @@
 """Symmetric int8 / int4 quantisation along the last dim, torch reference + Triton kernel for each.
 
-Used for the KV cache (a row is one (token, head) vector of head_dim values) and, by export/quant.py,
+Used for the KV cache (a row is one (token, head) vector of head_dim values) and, by runtime/weight_quant.py,
 for drafter weights (a row is one output channel).
 
 Formats, for x [..., D]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
+from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
 from pipeline.distill import draft_budget, load_target, measure_tau
 from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult

@@ -17,6 +17,7 @@ from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext
 from runtime.bundle import CONFIG, WEIGHTS, read_bundle
+from runtime.drafters import WEIGHT_QUANT
 
 BUNDLE_DIR = "bundle"
 CALIBRATION_SUFFIXES = (".json", ".png")  # calibrate's reports (layer_map.json, quant.json, plots)
@@ -48,6 +49,18 @@ def calibration_files(store: RunStore) -> dict[str, Path]:
             if Path(v).suffix in CALIBRATION_SUFFIXES and (root / v).is_file()}
 
 
+def quantised_weights(store: RunStore) -> tuple[str, dict] | None:
+    """(scheme, packed tensors) when calibrate chose a weight quantisation scheme, else None."""
+    from safetensors import safe_open
+
+    rec = store.record("calibrate")
+    name = (rec or {}).get("outputs", {}).get("quant_weights") if (rec or {}).get("status") == "completed" else None
+    if name is None:
+        return None
+    with safe_open(str(store.stage_dir("calibrate") / name), "pt") as f:
+        return f.metadata()["scheme"], {k: f.get_tensor(k) for k in f.keys()}
+
+
 def data_digest(store: RunStore) -> str:
     rec = store.record("prepare")
     if rec is None:
@@ -59,7 +72,7 @@ def data_digest(store: RunStore) -> str:
 def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path) -> dict:
     """Export the bundle's drafter step to `out` and check it against onnxruntime; raise if parity fails."""
     from export.onnx_export import KINDS, check_onnx_parity, example_inputs, export_onnx
-    from runtime.drafters import drafter_module
+    from runtime.drafters import bundle_weights, drafter_module
     from runtime.model import Transformer
 
     bundle = read_bundle(bundle_dir, fingerprint)
@@ -67,7 +80,8 @@ def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path
         raise DraftsmithError(f"export.onnx: drafter kind {bundle.kind!r} has no ONNX step (set export.onnx=false)")
     target = Transformer.from_pretrained(target_dir, max_seq_len=64)
     # the trained module as the bundle reader rebuilds it, before the runtime prepacks its weights for CPU
-    module = drafter_module(bundle.drafter_config, target, bundle.tensors(), max_len=64)
+    config, tensors = bundle_weights(bundle, target.dtype)
+    module = drafter_module(config, target, tensors, max_len=64)
     record = export_onnx(module, bundle.kind, example_inputs(module, bundle.kind, *ONNX_EXPORT_SHAPE), out)
     parity = check_onnx_parity(module, bundle.kind, out, example_inputs(module, bundle.kind, *ONNX_PARITY_SHAPE,
                                                                         seed=1))
@@ -89,6 +103,9 @@ def run_export(ctx: StageContext) -> StageResult:
     tensors = load_file(str(distill / WEIGHTS)) if (distill / WEIGHTS).is_file() else None  # ngram: none
     if tensors is None and drafter_config.get("kind") != "ngram":
         raise DraftsmithError(f"export: {distill / WEIGHTS} is missing for a {drafter_config.get('kind')!r} drafter")
+    quantised = quantised_weights(ctx.store)
+    if quantised is not None:  # the bundle carries the codes calibrate measured; the reader restores them
+        drafter_config[WEIGHT_QUANT], tensors = quantised
     fingerprint = target_fingerprint(ctx.target_dir)
     d = ctx.cfg.drafter
     extra_files = calibration_files(ctx.store)

@@ -1,7 +1,8 @@
 """The one place that knows every drafter kind: config + tensors -> module -> runtime Drafter, and back.
 
 distill saves what `drafter_config`/`drafter_tensors` give, calibrate rebuilds modules with `drafter_module`, and
-the bundle reader (`build_drafter`) goes through the same two functions, so what is measured is what is served.
+the bundle reader (`build_drafter`) goes through the same two functions, so what is measured is what is served;
+a bundle whose weights calibrate quantised is restored from its codes first (`bundle_weights`).
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from runtime.lm_drafter import LMConfig, LMDrafter
 from runtime.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
+from runtime.weight_quant import dequantize_state_dict
 
 KINDS = ("ngram", "eagle", "medusa", "lm")
 WEIGHTED = ("eagle", "medusa", "lm")
 DRAFT_VOCAB = "draft_vocab"  # tensor name of the reduced draft vocabulary (target token ids), if any
+WEIGHT_QUANT = "weight_quant"  # drafter config key: the scheme of the bundle's packed weights (absent: plain)
 TREE_ROOM = 64  # drafter positions beyond the target's length by default: room for the draft tree's nodes
 
 
@@ -88,16 +91,28 @@ def runtime_drafter(kind: str, module: nn.Module, target: Transformer, max_len: 
     raise no_weights(kind)
 
 
-def build_drafter(bundle: Bundle, target: Transformer, max_len: int) -> Drafter:
+def bundle_weights(bundle: Bundle, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(drafter config, tensors) of a weighted bundle, its packed weights restored when calibrate quantised them."""
     cfg = dict(bundle.drafter_config)
-    kind = cfg.pop("kind")
+    scheme = cfg.pop(WEIGHT_QUANT, None)
+    tensors = bundle.tensors()
+    if scheme is not None:
+        try:
+            tensors = dequantize_state_dict(tensors, scheme, dtype)
+        except ValueError as e:
+            raise BundleError(f"bundle {bundle.dir}: {WEIGHT_QUANT}={scheme!r}: {e}") from None
+    return cfg, tensors
+
+
+def build_drafter(bundle: Bundle, target: Transformer, max_len: int) -> Drafter:
+    kind = bundle.kind
     if kind == "ngram":
-        return NgramDrafter(target.config.vocab_size, **cfg)
+        return NgramDrafter(target.config.vocab_size, **{k: v for k, v in bundle.drafter_config.items() if k != "kind"})
     if kind not in KINDS:
         raise BundleError(f"bundle {bundle.dir}: drafter kind {kind!r} is not one of {KINDS}")
-    tensors = bundle.tensors()
+    cfg, tensors = bundle_weights(bundle, target.dtype)
     try:
-        module = drafter_module({"kind": kind, **cfg}, target, tensors, max_len)
+        module = drafter_module(cfg, target, tensors, max_len)
     except (ValueError, TypeError, KeyError) as e:  # a config or weights that do not describe this kind
         raise BundleError(f"bundle {bundle.dir}: {e}") from None
     return runtime_drafter(kind, module, target, max_len, tensors.get(DRAFT_VOCAB))

@@ -1,10 +1,10 @@
-"""export/quant.py: drafter state dicts to packed codes + scales and back, within the documented bounds."""
+"""runtime/weight_quant.py: drafter state dicts to packed codes + scales and back, within the documented bounds."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from export.quant import (QuantScheme, dequantize_state_dict, error_bound, quantize_state_dict, relative_errors)
+from runtime.weight_quant import (QuantScheme, dequantize_state_dict, error_bound, quantize_state_dict, relative_errors)
 
 SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128"]
 

@@ -102,6 +102,39 @@ def test_export_copies_calibration_reports_and_checks_onnx(tmp_path, tiny_llama_
     assert not (store.stage_dir("export") / "drafter.onnx").exists()  # the scratch export was moved in
 
 
+def test_export_ships_the_calibrated_int8_weights_and_the_reader_restores_them(tmp_path, tiny_llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    from runtime.bundle import read_bundle
+    from runtime.drafters import build_drafter
+    from runtime.model import Transformer
+    from runtime.weight_quant import dequantize_state_dict, quantize_state_dict
+
+    store = _prepared_store(tmp_path, tiny_llama_dir, _medusa_files(tiny_llama_dir))
+    plain = load_file(str(store.stage_dir("distill") / "drafter.safetensors"))
+    # other weights than distill's (untrained medusa heads are zeros, which int8 stores exactly)
+    g = torch.Generator().manual_seed(0)
+    packed = quantize_state_dict({k: torch.randn(v.shape, generator=g) if v.dim() == 2 else v
+                                  for k, v in plain.items()}, "int8")
+
+    def calibrate(ctx):  # what pipeline.calibrate writes when int8 is chosen
+        (ctx.out / "quant.json").write_text('{"chosen": "int8"}')
+        save_file(packed, str(ctx.out / "quant.safetensors"), metadata={"scheme": "int8"})
+        return StageResult(outputs={"quant": "quant.json", "quant_weights": "quant.safetensors"})
+
+    run_stage_on(store, "calibrate", _config(), tiny_llama_dir, calibrate)
+    run_stage_on(store, "export", _config(export={"onnx": True}), tiny_llama_dir, run_export)
+    bundle = read_bundle(store.stage_dir("export") / "bundle", target_fingerprint(tiny_llama_dir))
+    assert bundle.drafter_config["weight_quant"] == "int8" and bundle.manifest["onnx"]["parity"]["passed"]
+    stored = bundle.tensors()
+    assert any(k.endswith(".qweight") for k in stored) and all(torch.equal(stored[k], packed[k]) for k in packed)
+    drafter = build_drafter(bundle, Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64), 64)
+    restored = dequantize_state_dict(packed, "int8")
+    served = drafter.heads.state_dict()
+    assert all(torch.equal(served[k], restored[k]) for k in restored)  # the bundle's codes, not distill's weights
+    assert not all(torch.equal(restored[k], plain[k]) for k in plain)
+
+
 def test_export_fails_when_onnx_parity_fails(tmp_path, tiny_llama_dir, monkeypatch):
     import export.onnx_export as onnx_export
 

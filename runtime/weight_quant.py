@@ -1,4 +1,5 @@
-"""Drafter weight quantisation: a state dict <-> packed codes + scales, for the bundle.
+"""Drafter weight quantisation: a state dict <-> packed codes + scales; calibrate picks a scheme, export ships the
+packed weights in the bundle, and the bundle reader restores them (runtime.drafters.bundle_weights).
 
 Schemes: "int8" (per output channel) and "int4-g32" / "int4-g64" / "int4-g128" (group-wise along the input
 dim, two codes per byte). Only 2-D floating matrices (linear and embedding weights) are quantised; norms,

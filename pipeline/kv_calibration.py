@@ -20,7 +20,6 @@ from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
 
 
-
 @torch.inference_mode()
 def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None) -> torch.Tensor:
     """Next-token NLL [T-1] of one row with the KV history stored as `quant` says (None: full precision)."""
@@ -44,11 +43,12 @@ def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance
 
 def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[torch.Tensor], *, schemes: list[str],
                  recent: int, tau_tolerance: float, ppl_tolerance: float, tau_prompts: list[list[int]],
-                 budget: DraftBudget, tau_new_tokens: int) -> tuple[dict[str, str], dict[str, float], str]:
+                 budget: DraftBudget, tau_new_tokens: int,
+                 dense_tau: float) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes kv_quant.json (every candidate's measurements and the choice; export ships it in the bundle, whose
-    Bundle.kv_settings() the runtime's engines apply) to `out`."""
+    Bundle.kv_settings() the runtime's engines apply) to `out`. `dense_tau`: measured on the same prompts and budget
+    with a full-precision cache (calibrate's fp32 drafter tau)."""
     dense_ppl = perplexity([quantized_nll(target, r, None) for r in rows])
-    dense_tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens)["tau"]
     head_dim, candidates = target.config.head_dim, []
     for scheme in schemes:
         quant = KVQuant(scheme, recent)

@@ -38,13 +38,16 @@ def code_version() -> str:
     return f"draftsmith=={metadata.version('draftsmith')}"
 
 
+def calibrate_outputs(store: RunStore) -> dict:
+    """The outputs the calibrate stage listed, if it completed; {} when it did not run."""
+    rec = store.record("calibrate")
+    return rec.get("outputs", {}) if rec is not None and rec.get("status") == "completed" else {}
+
+
 def calibration_files(store: RunStore) -> dict[str, Path]:
     """The report files the calibrate stage listed as outputs, if it completed; {} when it did not run."""
-    rec = store.record("calibrate")
-    if rec is None or rec.get("status") != "completed":
-        return {}
     root = store.stage_dir("calibrate")
-    named = [v for v in rec.get("outputs", {}).values() if isinstance(v, str)]
+    named = [v for v in calibrate_outputs(store).values() if isinstance(v, str)]
     return {Path(v).name: root / v for v in named
             if Path(v).suffix in CALIBRATION_SUFFIXES and (root / v).is_file()}
 
@@ -53,8 +56,7 @@ def quantised_weights(store: RunStore) -> tuple[str, dict] | None:
     """(scheme, packed tensors) when calibrate chose a weight quantisation scheme, else None."""
     from safetensors import safe_open
 
-    rec = store.record("calibrate")
-    name = (rec or {}).get("outputs", {}).get("quant_weights") if (rec or {}).get("status") == "completed" else None
+    name = calibrate_outputs(store).get("quant_weights")
     if name is None:
         return None
     with safe_open(str(store.stage_dir("calibrate") / name), "pt") as f:

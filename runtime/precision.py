@@ -1,4 +1,4 @@
-"""Which float type a compute-bound job (training, batched regeneration) should run its matmuls in.
+"""Which float type training runs its matmuls in (distill.precision).
 
 bf16 autocast halves the work only where the hardware has bf16 matrix units: CUDA GPUs that support it and CPUs
 with AMX (measured on this project's 2-core Sapphire Rapids CI kind: an EAGLE training step 2.9 s -> 1.4 s).

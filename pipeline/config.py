@@ -34,8 +34,9 @@ class DataCfg(Section):
     regenerate: bool = True  # replace assistant turns with the target's own answers (self-distillation)
     regen_max_new_tokens: int = Field(160, ge=1)
     regen_temperature: float = Field(0.0, ge=0)
-    regen_batch_size: int = Field(16, ge=1)  # sequences decoded together (continuous batching)
+    regen_batch_size: int = Field(32, ge=1)  # sequences decoded together (continuous batching)
     cache_hidden: bool = True  # store target hidden states on disk (offline distillation)
+    precision: Literal[PRECISIONS] = "auto"  # the target's weights while regenerating and caching features
 
 
 class DrafterCfg(Section):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 
 from pipeline.errors import DraftsmithError
 from pipeline.stages import StageContext
@@ -22,8 +23,8 @@ from train.shards import load_features
 from train.trainer import TrainSpec, mlflow_logger, train
 
 
-def load_target(ctx: StageContext, max_seq_len: int = 2048) -> Transformer:
-    return Transformer.from_pretrained(ctx.target_dir, max_seq_len=max_seq_len)
+def load_target(ctx: StageContext, max_seq_len: int = 2048, dtype: torch.dtype = torch.float32) -> Transformer:
+    return Transformer.from_pretrained(ctx.target_dir, max_seq_len=max_seq_len, dtype=dtype)
 
 
 def draft_budget(ctx: StageContext) -> DraftBudget:

@@ -16,11 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
 from pipeline.distill import draft_budget, load_target, measure_tau
+from pipeline.budget_calibration import calibrate_budget
 from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult
 from pipeline.specattn_calibration import calibrate_specattn
 from pipeline.stages import StageContext
 from runtime.drafters import drafter_module as build_drafter_model
+from runtime.bench import generation_stop_ids
+from runtime.bundle import KV_QUANT, kv_engine_fields
 from runtime.drafters import runtime_drafter
 from runtime.model import Transformer
 from train.data import TokenizedSet, prompts_from
@@ -33,6 +36,8 @@ class CalibrateSettings:
     schemes: tuple[str, ...] = ("int8", "int4-g128", "int4-g64", "int4-g32")
     tau_prompts: int = 4
     tau_new_tokens: int = 32
+    budget_prompts: int = 4  # timed per draft budget candidate; held out from validate's prompts where val allows
+    budget_new_tokens: int = 64
 
 
 SETTINGS = CalibrateSettings()
@@ -96,6 +101,13 @@ def calibration_rows(ts: TokenizedSet, n: int, max_tokens: int) -> list[torch.Te
     return rows
 
 
+def budget_prompts(ctx: StageContext, val: TokenizedSet, s: CalibrateSettings) -> list[list[int]]:
+    """Validation prompts after the ones validate times (the first validate.num_prompts), so the budget is not
+    chosen on the prompts it is then judged on; the first ones when the split has no others."""
+    n = ctx.cfg.validate.num_prompts
+    return prompts_from(val, n + s.budget_prompts)[n:] or prompts_from(val, s.budget_prompts)
+
+
 def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageResult:
     distill = ctx.input("distill")
     config = json.loads((distill / "drafter_config.json").read_text())
@@ -128,6 +140,13 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     outputs |= kv_outputs
     metrics |= kv_metrics
     message += kv_message + "; "
+    budget_outputs, budget_metrics, budget_message = calibrate_budget(
+        ctx.out, target, lambda: runtime_drafter(kind, model, target), budget_prompts(ctx, val, s),
+        draft_budget(ctx), s.budget_new_tokens, kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
+        generation_stop_ids(ctx.target_dir))
+    outputs |= budget_outputs
+    metrics |= budget_metrics
+    message += budget_message + "; "
     if kind == "eagle":
         spec_outputs, spec_metrics, spec_message = calibrate_specattn(
             ctx.out, target, model, runtime_drafter(kind, model, target), rows,

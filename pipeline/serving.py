@@ -55,7 +55,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         bundle = read_bundle(context.artifacts["bundle"], expect_target_fingerprint=target_fingerprint(target_dir))
         target = Transformer.from_pretrained(target_dir)
         engine_cfg = EngineConfig(max_seq_len=target.max_seq_len,  # serve the target's whole context
-                                  budget=DraftBudget(**settings["budget"]), **bundle.kv_settings())
+                                  **bundle.engine_settings(DraftBudget(**settings["budget"])))
         self.engine = Engine(target, build_drafter(bundle, target, engine_cfg.max_seq_len), engine_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.stop_ids = stop_ids(self.tokenizer)

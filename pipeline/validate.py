@@ -87,19 +87,19 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
 
     from pipeline.distill import draft_budget, load_target
     from pipeline.sources import target_fingerprint
-    from runtime.bench import device_name, hf_generate
+    from runtime.bench import device_name, generation_stop_ids, hf_generate
     from runtime.bundle import read_bundle
     from runtime.drafters import build_drafter
     from runtime.engine import Engine, EngineConfig
 
     bundle = read_bundle(ctx.input("export") / "bundle", target_fingerprint(ctx.target_dir))  # refuses tampering
-    v, budget = ctx.cfg.validate, draft_budget(ctx)
+    v, settings = ctx.cfg.validate, bundle.engine_settings(draft_budget(ctx))  # serving's settings
+    budget = settings["budget"]
     max_seq_len = max(map(len, prompts)) + v.max_new_tokens + budget.max_nodes + 1
     target = load_target(ctx, max_seq_len)
     hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
-    eos = hf.generation_config.eos_token_id
-    stop_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    engine_cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget, **bundle.kv_settings())  # serving's settings
+    stop_ids = generation_stop_ids(ctx.target_dir)
+    engine_cfg = EngineConfig(max_seq_len=max_seq_len, **settings)
     drafter = build_drafter(bundle, target, max_seq_len)
     engines = {"spec": Engine(target, drafter, engine_cfg), "ar": Engine(target, None, engine_cfg)}
 
@@ -123,7 +123,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     timed = {t: {name: time_method(run, prompts, SamplingParams(temperature=t), seed)
                  for name, run in methods.items()} for t in temperatures}
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
-            "budget": {"depth": budget.depth, "width": budget.width, "nodes": budget.nodes}, "timed": timed}
+            "budget": {"depth": budget.depth, "width": budget.width, "nodes": budget.max_nodes,
+                       "adaptive": engine_cfg.adaptive}, "timed": timed}
 
 
 def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:

@@ -148,6 +148,20 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
     return results
 
 
+def generation_stop_ids(model_dir) -> tuple[int, ...]:
+    """Where HF `generate` stops for the model in `model_dir`: generation_config.json's eos ids, else config.json's."""
+    import json
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json: HF derives one from the model config
+        eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
 def stop_ids(tokenizer) -> tuple[int, ...]:
     """Where generation ends: the tokenizer's end-of-sequence token (the chat template's end of turn)."""
     return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.drafter import DraftBudget
 from runtime.files import sha256_file
 
 FORMAT = "draftsmith-bundle/1"
@@ -15,6 +16,7 @@ CONFIG = "drafter_config.json"
 WEIGHTS = "drafter.safetensors"
 KV_QUANT = "kv_quant.json"  # calibrate's KV-cache scheme (QuantSpec); absent or "none": full-precision KV
 NO_KV_QUANT = "none"
+DRAFT_BUDGET = "draft_budget.json"  # calibrate's measured draft tree budget; absent: the one the caller configured
 
 
 class BundleError(ValueError):
@@ -44,15 +46,28 @@ class Bundle:
 
     def kv_settings(self) -> dict:
         """EngineConfig fields for the calibrated KV-cache quantisation: {} when the bundle has none."""
-        if not self.has(KV_QUANT):
-            return {}
-        kv = json.loads(self.path(KV_QUANT).read_text())
-        return {} if kv["chosen"] == NO_KV_QUANT else {"kv_scheme": kv["chosen"], "kv_recent": kv["recent"]}
+        return kv_engine_fields(json.loads(self.path(KV_QUANT).read_text())) if self.has(KV_QUANT) else {}
+
+    def engine_settings(self, budget: DraftBudget) -> dict:
+        """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme and draft budget
+        (whether the engine adapts it too); `budget` and the engine's default adaptivity when it has none."""
+        fields = {"budget": budget, **self.kv_settings()}
+        if self.has(DRAFT_BUDGET):
+            chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
+            fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),
+                       "adaptive": chosen["adaptive"]}
+        return fields
 
     def tensors(self, name: str = WEIGHTS) -> dict:
         from safetensors.torch import load_file
 
         return load_file(str(self.path(name)))
+
+
+def kv_engine_fields(kv_quant: dict) -> dict:
+    """EngineConfig fields for a kv_quant.json report: {} when it chose full precision."""
+    chosen = kv_quant["chosen"]
+    return {} if chosen == NO_KV_QUANT else {"kv_scheme": chosen, "kv_recent": kv_quant["recent"]}
 
 
 def _safe_member(root: Path, name: str) -> Path:

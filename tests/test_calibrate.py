@@ -9,6 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from export.layer_map import DENSE, LayerMap
+from pipeline.budget_calibration import candidates
 from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
 from pipeline.kv_calibration import choose_kv_scheme, quantized_nll
@@ -16,6 +17,7 @@ from pipeline.runstore import RunStore
 from pipeline.specattn_calibration import calibration_row, choose_top_p, sparse_nll
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
+from runtime.drafter import DraftBudget
 from runtime.drafters import DRAFT_VOCAB
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
@@ -28,7 +30,8 @@ from train.trainer import TrainSpec, train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
 TOP_P = [0.5, 0.9, 0.99]
-FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24)
+FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24, budget_prompts=2,
+                         budget_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +157,24 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     ok = [c for c in cands.values() if c["tau_drop"] <= 0.02 and c["ppl_change"] <= 0.01]
     assert kv["chosen"] == (min(ok, key=lambda c: (c["target_bits"], c["draft_bits"]))["scheme"] if ok else "none")
     assert m["kv_int8_ppl_change"] == cands["int8"]["ppl_change"] and "kv_quant" in result.outputs
+
+    budget = json.loads((ctx.out / "draft_budget.json").read_text())  # timed candidates within the configured 4x2/8
+    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"]) for r in budget["sweep"]]
+    assert shapes == [(1, 1, 1, False), (2, 1, 2, False), (2, 2, 4, False), (3, 2, 6, False), (4, 2, 8, False),
+                      (4, 2, 8, True)]
+    assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1.0 for r in budget["sweep"]) and budget["tokens_per_s_ar"] > 0
+    fastest = max(budget["sweep"], key=lambda r: r["tokens_per_s"])
+    assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive")}
+    assert m["budget_speedup"] == fastest["tokens_per_s"] / budget["tokens_per_s_ar"]
+    assert (ctx.out / "draft_budget.png").stat().st_size > 1000 and "draft_budget" in result.outputs
+
+
+def test_budget_candidates_stay_within_the_configured_budget():
+    wide = DraftBudget(depth=6, width=4, nodes=24)
+    assert candidates(wide)[-2:] == [(wide, False), (wide, True)] and len(candidates(wide)) == 9
+    chain = DraftBudget(depth=3, width=1)  # nodes 0: depth * width
+    assert candidates(chain) == [(DraftBudget(1, 1, 1), False), (DraftBudget(2, 1, 2), False), (chain, False),
+                                 (chain, True)]
 
 
 def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):

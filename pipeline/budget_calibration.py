@@ -1,0 +1,83 @@
+"""Draft budget calibration: the draft tree the engine should grow, chosen by tokens/s measured on this machine.
+
+How big a tree pays depends on the drafter's acceptance and on what the hardware charges for a wider verify and
+a deeper draft: on the 2-core CPU a 24-node verify costs 1.9x a one-token decode, so a drafter accepting ~50% per
+depth is fastest with a 4-node tree (1.25x over plain decoding) and slower than plain decoding with 24 nodes
+(0.82x). Each candidate runs the engine as serving will (the chosen KV scheme, greedy) on held-out prompts that
+validate does not time; the fastest becomes draft_budget.json, which export ships and validate and serving read
+(runtime.bundle.Bundle.engine_settings).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.validate import time_method
+from runtime.drafter import DraftBudget
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+
+# (depth, width, nodes): chains and small trees up to the configured budget, which is also tried adaptively
+LADDER = ((1, 1, 1), (2, 1, 2), (2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 4, 16))
+
+
+def candidates(configured: DraftBudget) -> list[tuple[DraftBudget, bool]]:
+    """(budget, adaptive) pairs: the ladder's rungs within the configured budget, then the configured one fixed and
+    adaptive (EngineConfig.adaptive shrinks the depth to recent acceptance and may stop drafting)."""
+    out = [DraftBudget(depth=d, width=w, nodes=n) for d, w, n in LADDER
+           if d <= configured.depth and w <= configured.width and n <= configured.max_nodes]
+    out = [b for b in out if b != configured] + [configured]
+    return [(b, False) for b in out] + [(configured, True)]
+
+
+def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[list[int]], configured: DraftBudget,
+                     new_tokens: int, kv: dict, stop_ids: tuple[int, ...]) -> tuple[dict[str, str], dict, str]:
+    """Time our autoregressive decode and every candidate on `prompts` (`new_drafter()` gives a fresh drafter, `kv`
+    the KV EngineConfig fields); write draft_budget.json and .png to `out`; return (outputs, metrics, message)."""
+    max_seq_len = max(map(len, prompts)) + new_tokens + configured.max_nodes + 1
+
+    def tokens_per_s(drafter, budget: DraftBudget, adaptive: bool) -> tuple[float, float]:
+        engine = Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, budget=budget, adaptive=adaptive, **kv))
+
+        def run(ids, params, gen):
+            g = engine.generate(ids, new_tokens, params, gen, stop_ids)
+            return g.tokens, g.metrics
+
+        run(prompts[0], SamplingParams(), None)  # warm-up: allocator, the tree-verify path
+        timed = time_method(run, prompts, SamplingParams(), seed=0)
+        return timed.tokens_per_s, timed.tau(len(prompts))
+
+    ar_rate, _ = tokens_per_s(None, configured, False)
+    sweep = []
+    for budget, adaptive in candidates(configured):
+        rate, tau = tokens_per_s(new_drafter(), budget, adaptive)
+        sweep.append({"depth": budget.depth, "width": budget.width, "nodes": budget.max_nodes, "adaptive": adaptive,
+                      "tokens_per_s": rate, "speedup": rate / ar_rate, "tau": tau})
+    best = max(sweep, key=lambda r: r["tokens_per_s"])
+    chosen = {k: best[k] for k in ("depth", "width", "nodes", "adaptive")}
+    report = {"chosen": chosen, "tokens_per_s_ar": ar_rate, "prompts": len(prompts), "new_tokens": new_tokens,
+              "sweep": sweep}
+    (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_budgets(sweep, out / "draft_budget.png")
+    label = f"depth {best['depth']} width {best['width']} nodes {best['nodes']}" + " adaptive" * best["adaptive"]
+    metrics = {"budget_speedup": best["speedup"], "budget_tokens_per_s": best["tokens_per_s"],
+               "budget_nodes": float(best["nodes"]), "budget_tokens_per_s_ar": ar_rate}
+    return ({"draft_budget": "draft_budget.json", "draft_budget_plot": "draft_budget.png"}, metrics,
+            f"draft budget {label}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f})")
+
+
+def plot_budgets(sweep: list[dict], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot()
+    labels = [f"{r['depth']}x{r['width']}/{r['nodes']}" + ("\nadaptive" if r["adaptive"] else "") for r in sweep]
+    ax.bar(range(len(sweep)), [r["speedup"] for r in sweep], color=["tab:orange" if r["adaptive"] else "tab:blue"
+                                                                     for r in sweep])
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(sweep)), labels, fontsize="x-small")
+    ax.set(xlabel="draft budget (depth x width / nodes)", ylabel="speedup over our AR (x)",
+           title="Draft budget: measured speedup")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path

@@ -54,7 +54,7 @@ class DrafterCfg(Section):
 
 
 class DistillCfg(Section):
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(1400, ge=1)
     batch_size: int = Field(8, ge=1)
     lr: float = Field(1e-3, gt=0)
     warmup: int = Field(50, ge=0)

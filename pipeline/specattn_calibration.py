@@ -77,6 +77,13 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig)
     return next_token_nll(out.logits, row.ids), reads, dense
 
 
+def effective_keys(rows: list[torch.Tensor]) -> float:
+    """Mean over attention rows (every layer, head and query of [..., S] distributions) of exp(entropy): how many
+    keys a row spreads its mass over. A draft far below its target says its attention cannot pick their keys."""
+    per_row = [torch.special.entr(a.double()).sum(-1).exp().flatten() for a in rows]
+    return torch.cat(per_row).mean().item()
+
+
 def perplexity(nll: list[torch.Tensor]) -> float:
     return math.exp(torch.cat(nll).double().mean().item())
 
@@ -136,7 +143,9 @@ def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafte
     chosen = choose_top_p(sweep, ppl_tolerance)
     if chosen is not None:
         settings = SpecAttnConfig(layer_map.mapping, chosen["top_p"], layer_map.dense_first)
-    report = {"dense_perplexity": dense_ppl, "dense_tau": dense_tau, "ppl_tolerance": ppl_tolerance,
+    spread = {"draft_attention_keys": effective_keys([r.draft_attention for r in rows]),
+              "target_attention_keys": effective_keys([r.target_attention for r in rows])}
+    report = {**spread, "dense_perplexity": dense_ppl, "dense_tau": dense_tau, "ppl_tolerance": ppl_tolerance,
               "sink": settings.sink, "recent": settings.recent, "rows": len(rows),
               "tokens": sum(r.ids.numel() for r in rows), "chosen_top_p": settings.top_p, "sweep": sweep}
     (out / "layer_map.json").write_text(layer_map.to_json() + "\n")
@@ -147,7 +156,7 @@ def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafte
 
     # per target layer: how well the best draft layer's attention predicts it (-KL, 0 is perfect)
     metrics = {f"neg_kl_layer_{j}": float(v) for j, v in enumerate(S.max(0).values.tolist())}
-    metrics |= {"dense_perplexity": dense_ppl, "specattn_top_p": settings.top_p,
+    metrics |= spread | {"dense_perplexity": dense_ppl, "specattn_top_p": settings.top_p,
                 "kv_saved_at_ppl_tolerance": chosen["kv_saved"] if chosen else 0.0}
     for r in sweep:
         metrics |= {f"kv_saved_p{r['top_p']}": r["kv_saved"], f"ppl_change_p{r['top_p']}": r["ppl_change"],
@@ -156,5 +165,7 @@ def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafte
                "sparsity_plot": "sparsity.png", "specattn": "specattn.json"}
     message = (f"SpecAttn top-p {chosen['top_p']} saves {chosen['kv_saved']:.0%} of KV reads at "
                f"{chosen['ppl_change']:+.2%} perplexity, tau {chosen['tau']:.2f} (dense {dense_tau:.2f})"
-               if chosen else f"SpecAttn: no top-p within +{ppl_tolerance:.1%} perplexity, verification stays dense")
+               if chosen else f"SpecAttn: no top-p within +{ppl_tolerance:.1%} perplexity, verification stays dense "
+               f"(draft attention rows spread over {spread['draft_attention_keys']:.1f} keys, the target's over "
+               f"{spread['target_attention_keys']:.1f})")
     return outputs, metrics, message

@@ -14,7 +14,7 @@ from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
 from pipeline.kv_calibration import choose_kv_scheme, quantized_nll
 from pipeline.runstore import RunStore
-from pipeline.specattn_calibration import calibration_row, choose_top_p, sparse_nll
+from pipeline.specattn_calibration import calibration_row, choose_top_p, effective_keys, sparse_nll
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
@@ -135,6 +135,7 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     report = json.loads((ctx.out / "sparsity.json").read_text())
     sweep = report["sweep"]
     assert [r["top_p"] for r in sweep] == TOP_P and report["dense_tau"] > 1.0
+    assert 1.0 <= report["draft_attention_keys"] < 40 and 1.0 <= report["target_attention_keys"] < 40  # 40-token rows
     saved = [r["kv_saved"] for r in sweep]
     assert all(a >= b for a, b in zip(saved, saved[1:])) and 0 < saved[0] < 0.5  # nested sets; 2 of 4 layers dense
     for r in sweep:  # measured, and reported both ways
@@ -202,6 +203,13 @@ def test_ngram_is_not_applicable(tmp_path, target_dir, distilled):
     assert "not applicable" in result.message
     assert json.loads((ctx.out / "quant.json").read_text())["chosen"] == "not applicable"
     assert not (ctx.out / "layer_map.json").exists()
+
+
+def test_effective_keys_counts_the_keys_a_row_spreads_over():
+    uniform = torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0]])
+    one_hot = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])
+    assert effective_keys([uniform]) == pytest.approx(4.0) and effective_keys([one_hot]) == pytest.approx(1.0)
+    assert effective_keys([uniform, one_hot]) == pytest.approx(2.5)
 
 
 def test_choose_top_p_saves_most_within_the_perplexity_tolerance():

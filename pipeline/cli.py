@@ -129,14 +129,16 @@ def cmd_bench(args) -> int:
         prompts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
     target_dir = resolve_target(args.target)
     factory = ngram_drafter_factory
+    budget = DraftBudget(depth=args.depth, width=args.width, nodes=args.nodes)
+    fields = {"budget": budget}
     if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
         if not Path(args.drafter).is_dir():
             raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
-    budget = DraftBudget(depth=args.depth, width=args.width, nodes=args.nodes)
+        fields = bundle.engine_settings(budget)  # as serving runs it: calibrated budget and KV scheme
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
-                       budget=budget, drafter_factory=factory)
+                       engine_fields=fields, drafter_factory=factory)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0
@@ -180,9 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a 'prompt' field")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--depth", type=int, default=5)
-    b.add_argument("--width", type=int, default=1)
-    b.add_argument("--nodes", type=int, default=0)
+    budget_help = "draft tree budget: ngram, or a bundle without calibrate's draft_budget.json"
+    b.add_argument("--depth", type=int, default=5, help=budget_help)
+    b.add_argument("--width", type=int, default=1, help=budget_help)
+    b.add_argument("--nodes", type=int, default=0, help=budget_help)
     b.add_argument("--out", default="bench.json")
     add_random_weights_arguments(b)
     b.set_defaults(fn=cmd_bench)

@@ -66,9 +66,10 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
 def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[str], max_new_tokens: int = 128,
               temperature: float = 0.0, *, dtype: torch.dtype = torch.float32, budget: DraftBudget = DraftBudget(5),
-              drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
-              seed: int = 0, print_table: bool = True) -> dict:
-    """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine."""
+              engine_fields: dict | None = None, drafter_factory: DrafterFactory = ngram_drafter_factory,
+              chat_template: bool = True, seed: int = 0, print_table: bool = True) -> dict:
+    """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine.
+    `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings) replace `budget` when given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
@@ -77,11 +78,12 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = [encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
-    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + budget.max_nodes + 1
+    fields = engine_fields or {"budget": budget}
+    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + fields["budget"].max_nodes + 1
 
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len)
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    cfg = EngineConfig(max_seq_len=max_seq_len, budget=budget)
+    cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
 
     def ours(engine: Engine) -> Method:
         def run(ids: list[int], gen: torch.Generator) -> tuple[list[int], Generation | None]:

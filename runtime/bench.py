@@ -65,11 +65,12 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
 
 def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[str], max_new_tokens: int = 128,
-              temperature: float = 0.0, *, dtype: torch.dtype = torch.float32, budget: DraftBudget = DraftBudget(5),
-              engine_fields: dict | None = None, drafter_factory: DrafterFactory = ngram_drafter_factory,
-              chat_template: bool = True, seed: int = 0, print_table: bool = True) -> dict:
-    """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine.
-    `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings) replace `budget` when given."""
+              temperature: float = 0.0, *, dtype: torch.dtype = torch.float32, engine_fields: dict | None = None,
+              drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
+              seed: int = 0, print_table: bool = True) -> dict:
+    """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine, the
+    engines built with `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings; default: a
+    depth-5 chain)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
@@ -78,7 +79,7 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = [encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
-    fields = engine_fields or {"budget": budget}
+    fields = engine_fields or {"budget": DraftBudget(5)}
     max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + fields["budget"].max_nodes + 1
 
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len)

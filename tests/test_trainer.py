@@ -13,12 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import train.trainer as trainer
+import train.checkpoint as checkpoint
 from runtime.precision import bf16_is_fast, use_bf16
 from train.batches import Batches, shard_rows
 from train.data import TokenizedSet
 from train.losses import cross_entropy, topk_accuracy
-from train.trainer import TrainSpec, launch_local, latest_checkpoint, load_weights, lr_at, train
+from train.checkpoint import latest_checkpoint, load_weights
+from train.distributed import deepspeed_config, launch_local
+from train.trainer import TrainSpec, lr_at, mlflow_logger, train
 
 VOCAB = 32
 
@@ -155,21 +157,21 @@ def test_spec_rejects_bad_values(bad):
 
 def test_deepspeed_config_owns_batch_optimizer_and_precision(tmp_path):
     spec = TrainSpec(steps=1, grad_accum=2, grad_clip=0.5, deepspeed="zero1")
-    cfg = trainer.deepspeed_config(spec, batch_size=8, world=2)
+    cfg = deepspeed_config(spec, batch_size=8, world=2)
     assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
     assert cfg["zero_optimization"] == {"stage": 1} and cfg["gradient_clipping"] == 0.5
     with pytest.raises(ValueError, match="not divisible"):
-        trainer.deepspeed_config(spec, batch_size=6, world=2)
+        deepspeed_config(spec, batch_size=6, world=2)
     for body, error in (({"zero_optimization": {"stage": 3}}, "stage=3"),
                         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}, "remove 'optimizer'"),
                         ({"zero_optimization": {"stage": 2}, "train_batch_size": 64}, "train_batch_size=64")):
         path = tmp_path / "ds.json"
         path.write_text(json.dumps(body))
         with pytest.raises(ValueError, match=error):
-            trainer.deepspeed_config(replace(spec, deepspeed=str(path)), batch_size=8, world=1)
+            deepspeed_config(replace(spec, deepspeed=str(path)), batch_size=8, world=1)
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
                                 "train_batch_size": "auto"}))
-    cfg = trainer.deepspeed_config(replace(spec, deepspeed=str(path)), batch_size=8, world=1)
+    cfg = deepspeed_config(replace(spec, deepspeed=str(path)), batch_size=8, world=1)
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 1000 and cfg["train_batch_size"] == 8
 
 
@@ -246,13 +248,13 @@ def test_crash_while_writing_a_checkpoint_leaves_no_partial_checkpoint(tmp_path,
             raise Crash
         save_file(tensors, path)
 
-    monkeypatch.setattr(trainer, "save_file", dying_save_file)
+    monkeypatch.setattr(checkpoint, "save_file", dying_save_file)
     batches = Batches(tiny_set(), 8, seed=1)
     with pytest.raises(Crash):
         train(TinyLM(), lm_loss, batches, SPEC, tmp_path)
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000004"]
     assert [p.name for p in tmp_path.glob(".tmp-*")] == [".tmp-step-00000008"]  # never read, cleared on resume
-    monkeypatch.setattr(trainer, "save_file", save_file)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
     model = TinyLM()
     assert train(model, lm_loss, batches, SPEC, tmp_path)["resumed_from"] == 4
     assert not list(tmp_path.glob(".tmp-*"))
@@ -291,7 +293,7 @@ def test_mlflow_logger_logs_to_the_active_run_only(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.set_experiment("trainer-test")  # an earlier test's active experiment id means nothing in this db
-    log = trainer.mlflow_logger()
+    log = mlflow_logger()
     log(1, {"loss": 9.0})  # no active run: nothing happens, nothing fails
     with mlflow.start_run() as run:
         train(TinyLM(), lm_loss, Batches(tiny_set(), 8), TrainSpec(steps=3, lr=1e-2), tmp_path / "ckpt", log=log)

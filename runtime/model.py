@@ -102,12 +102,18 @@ class ForwardOutput:
     attention: dict[int, Tensor] = field(default_factory=dict)
 
 
+PACKED_MIN_FP32_ROWS = 4  # fewer fp32 rows run faster through MKL than prepacked (see Linear)
+
+
 class Linear(nn.Linear):
     """nn.Linear that can carry a oneDNN-prepacked copy of its weight for CPU inference (`pack`).
 
     MKL re-packs the weight on every call: a 2..16-row product (tree verify) then costs 1.5-3x a one-row one
     (decode). Prepacked once, oneDNN runs both at about the cost of streaming the weight once. The plain
-    weight stays: training, export and embedding lookups read it, and non-CPU inputs fall back to it."""
+    weight stays: training, export and embedding lookups read it, and non-CPU inputs fall back to it.
+
+    In fp32, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step: 42 ms against 48 prepacked; at 4
+    rows 68 against 55), so those take the plain path; in bf16 the prepacked kernel wins from one row on."""
 
     packed: Tensor | None = None
 
@@ -116,7 +122,8 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is not None and x.device.type == "cpu" and x.dtype == self.packed.dtype and not x.requires_grad:
+        if self.packed is not None and x.device.type == "cpu" and x.dtype == self.packed.dtype and not x.requires_grad \
+                and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return super().forward(x)
 

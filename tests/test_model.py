@@ -197,6 +197,21 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
     torch.testing.assert_close(packed, model(ids, model.new_cache(), ids)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(tiny_model_dir, monkeypatch):
+    """Decode-sized fp32 products run through MKL (faster there), verify-sized ones through the prepacked weight."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    linear = Linear(16, 8).requires_grad_(False)
+    linear.pack()
+    calls = []
+    prepacked = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or prepacked(*a))
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(1, rows, 16)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert calls == [(1, 4, 16), (1, 9, 16)]
+
+
 def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):
     hf = json.loads((tiny_llama_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):

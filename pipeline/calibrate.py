@@ -38,6 +38,9 @@ class CalibrateSettings:
     tau_new_tokens: int = 32
     budget_prompts: int = 4  # timed per draft budget candidate; held out from validate's prompts where val allows
     budget_new_tokens: int = 64
+    # the chosen budget's tau must clear validate.gate.min_tau by this fraction on these few prompts, so that it
+    # clears it on validate's prompts too
+    budget_tau_margin: float = 0.1
 
 
 SETTINGS = CalibrateSettings()
@@ -143,7 +146,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
         ctx.out, target, lambda: runtime_drafter(kind, model, target), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens, kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
-        generation_stop_ids(ctx.target_dir))
+        generation_stop_ids(ctx.target_dir), min_tau=ctx.cfg.validate.gate.min_tau * (1 + s.budget_tau_margin))
     outputs |= budget_outputs
     metrics |= budget_metrics
     message += budget_message + "; "
@@ -156,5 +159,5 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
         metrics |= spec_metrics
         message += spec_message
     else:
-        message += "SpecAttn not applicable (medusa has no attention)"
+        message += f"SpecAttn not applicable (calibrate maps EAGLE's attention; this is a {kind} drafter)"
     return StageResult(outputs=outputs, metrics=metrics, message=message)

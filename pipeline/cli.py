@@ -107,6 +107,8 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     import json
 
+    import torch
+
     from pipeline.home import write_json_atomic
     from pipeline.sources import resolve_target, target_fingerprint
     from runtime.bench import default_bench_prompts, ngram_drafter_factory, run_bench
@@ -138,7 +140,7 @@ def cmd_bench(args) -> int:
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
         fields = bundle.engine_settings(budget)  # as serving runs it: calibrated budget and KV scheme
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
-                       engine_fields=fields, drafter_factory=factory)
+                       dtype=getattr(torch, args.dtype or "float32"), engine_fields=fields, drafter_factory=factory)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0

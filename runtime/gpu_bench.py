@@ -181,7 +181,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--random-weights", metavar="CONFIG", choices=sorted(RANDOM_CONFIGS),
                     help="benchmark random weights of this shape instead of --target (no checkpoint needed)")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="default: bfloat16 with --random-weights, else float32 (validate's dtype)")
     ap.add_argument("--n-prompts", type=int, default=5, help="random prompts (16..64 tokens)")
     ap.add_argument("--accept-rate", type=float, default=0.8,
                     help="replay drafter: probability each chain position proposes the right token")
@@ -190,7 +191,7 @@ def add_arguments(ap) -> None:
 
 def bench_from_args(args) -> dict:
     return run_random_bench(args.random_weights, args.n_prompts, args.max_new_tokens,
-                            dtype=getattr(torch, args.dtype),
+                            dtype=getattr(torch, args.dtype or "bfloat16"),
                             device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                             budget=DraftBudget(depth=args.depth, width=1), accept_rate=args.accept_rate,
                             graphs=not args.no_graphs)

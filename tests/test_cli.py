@@ -115,4 +115,9 @@ def test_bench_cli_writes_report(tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert set(report["methods"]) == {"hf_generate", "ours_ar", "ours_spec"}
     assert report["methods"]["ours_spec"]["same_tokens_as_ours_ar"] is True
-    assert report["ours_ar_fraction_of_floor"] > 0
+    assert report["ours_ar_fraction_of_floor"] > 0 and report["dtype"] == "float32"
+    res = pipeline("bench", "--prompts", "p.txt", "--max-new-tokens", "4", "--dtype", "bfloat16", "--out", "b16.json",
+                   cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "b16.json").read_text())
+    assert report["dtype"] == "bfloat16" and report["weight_bytes_per_token"] < 300e6  # bf16 halves the weights

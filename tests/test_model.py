@@ -197,7 +197,7 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
     torch.testing.assert_close(packed, model(ids, model.new_cache(), ids)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(tiny_model_dir, monkeypatch):
+def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypatch):
     """Decode-sized fp32 products run through MKL (faster there), verify-sized ones through the prepacked weight."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")

@@ -110,6 +110,15 @@ def test_split_int8_is_exact_for_every_code():
     assert upper.min() == -8 and upper.max() == 7 and lower.min() == 0 and lower.max() == 15
 
 
+def test_nibbles_unpack_every_byte_as_packed():
+    codes = torch.arange(-8, 8).repeat_interleave(16), torch.arange(-8, 8).repeat(16)  # every (even, odd) pair
+    pairs = torch.stack(codes, -1).flatten()  # [512]: element 2i, then 2i+1
+    packed = kvq._pack_nibbles(pairs)
+    assert packed.unique().numel() == 256
+    assert torch.equal(kvq._unpack_nibbles(packed, signed=True), pairs.float())
+    assert torch.equal(kvq._unpack_nibbles(packed, signed=False), (pairs & 15).float())
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_int8_error_is_at_most_half_a_step(seed):
     x = kv_rows(seed)

@@ -5,11 +5,12 @@ step, so a drafter that calls it every draft step pays dearly; a few thousand fr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from runtime.model import Packable
 
-class DraftHead(nn.Module):
+
+class DraftHead(nn.Module, Packable):
     def __init__(self, lm_head_weight: torch.Tensor, keep_ids: torch.Tensor | None = None):
         super().__init__()
         self.vocab_size = lm_head_weight.shape[0]
@@ -30,7 +31,7 @@ class DraftHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., Vd]."""
-        return F.linear(h, self.weight)
+        return self.linear(h, None)
 
     def to_target(self, draft: torch.Tensor) -> torch.Tensor:
         """Scatter per-draft-token values (probabilities) into the full target vocabulary, zeros elsewhere."""

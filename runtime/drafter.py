@@ -39,6 +39,8 @@ class Drafter(abc.ABC):
 
     vocab_size: int
     needs_features: bool = False  # True: the engine passes target last hidden states (after the final norm)
+    # True: propose() also gathers draft_attention(); only SpecAttn verification reads it (the engine sets it)
+    track_attention: bool = False
 
     @abc.abstractmethod
     def reset(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -56,5 +58,5 @@ class Drafter(abc.ABC):
     def draft_attention(self) -> torch.Tensor | None:
         """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as
         non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix]; None
-        after a commit. Drafters without attention return None (the default), and verification stays dense."""
+        after a commit or while track_attention is off. Drafters without attention return None (the default), and verification stays dense."""
         return None

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget
 from runtime.sampling import SamplingParams, warp
 from runtime.tree import DraftTree
@@ -22,6 +23,7 @@ from runtime.verify import draw_children
 
 # expand(candidates, node_ids) -> [len(node_ids), V] warped draft probabilities of each node's children. The
 # drafter runs its model on those nodes (tokens, parents and depths are in the `Candidates` it is handed).
+# V is the draft vocabulary; `token_ids` (grow_tree) maps its indices to target tokens when it is reduced.
 Expand = Callable[["Candidates", list[int]], torch.Tensor]
 
 
@@ -33,8 +35,11 @@ def tree_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Candidates:
-    def __init__(self):
-        self.tokens: list[int] = []
+    def __init__(self, token_ids: torch.Tensor | None = None):
+        # target token of each draft-vocabulary index; None: the distributions are over the target vocabulary.
+        # Ranking and drawing in the draft vocabulary skips a scatter and a top-k over the full one per node.
+        self.token_ids = None if token_ids is None else token_ids.tolist()
+        self.tokens: list[int] = []  # target token ids
         self.parents: list[int] = []
         self.logp: list[float] = []  # cumulative log draft probability
         self.eff: list[float] = []  # effective score (see module docstring)
@@ -52,13 +57,13 @@ class Candidates:
         base_logp = self.logp[parent] if parent >= 0 else 0.0
         ceiling = self.eff[parent] if parent >= 0 else 0.0
         new = []
-        for tok in draw_children(probs, k, params, generator).tolist():
-            p = float(probs[tok])
+        for index in draw_children(probs, k, params, generator).tolist():
+            p = float(probs[index])
             if p <= 0:
                 break
             score = base_logp + math.log(p)
             ceiling = min(ceiling, score)
-            self.tokens.append(tok)
+            self.tokens.append(index if self.token_ids is None else self.token_ids[index])
             self.parents.append(parent)
             self.logp.append(score)
             self.eff.append(ceiling)
@@ -67,8 +72,12 @@ class Candidates:
 
 
 def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, params: SamplingParams,
-              generator: torch.Generator | None = None, keep_q: bool = False) -> DraftTree:
-    c = Candidates()
+              generator: torch.Generator | None = None, keep_q: bool = False,
+              vocab: DraftHead | None = None) -> DraftTree:
+    """`vocab`: the head whose (possibly reduced) vocabulary root_probs and expand's rows are over; None: the
+    target vocabulary."""
+    token_ids = None if vocab is None else vocab.keep_ids
+    c = Candidates(token_ids)
     frontier = c.add_children(0, root_probs, budget.width, params, generator)
     for _ in range(budget.depth - 1):
         if not frontier:
@@ -94,6 +103,8 @@ def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, par
                 q[0] = probs
             elif node in index:
                 q[index[node] + 1] = probs
+        if vocab is not None:
+            q = vocab.to_target(q)
     return DraftTree(tokens, parents, q)
 
 

@@ -16,7 +16,7 @@ from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.kv_cache import KVCache
-from runtime.model import Block, ModelConfig, Transformer, attention_mask, rope_tables
+from runtime.model import Block, Linear, ModelConfig, Transformer, attention_mask, pack_for_cpu, rope_tables
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
@@ -34,7 +34,7 @@ class EagleModel(nn.Module):
         super().__init__()
         self.cfg = replace(target_cfg, n_layers=1)
         dim = self.cfg.dim
-        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.fc = Linear(2 * dim, dim, bias=True)
         self.block = Block(self.cfg)
         # EAGLE, SGLang's LlamaForCausalLMEagle and vLLM speculators all skip the block's input norm (the fc
         # output feeds attention directly); keeping it would make every served copy compute something else.
@@ -109,7 +109,7 @@ class EagleDrafter(Drafter):
     needs_features = True
 
     def __init__(self, model: EagleModel, max_len: int):
-        self.model = model
+        self.model = pack_for_cpu(model)
         self.vocab_size = model.head.vocab_size
         self.cache = model.new_cache(1, max_len)
         self.pending: list[tuple[Tensor, Tensor]] = []  # committed pairs not yet in the drafter cache
@@ -134,14 +134,15 @@ class EagleDrafter(Drafter):
         m, head = self.model, self.model.head
         toks = torch.cat([t for t, _ in self.pending]).long()
         feats = torch.cat([f for _, f in self.pending])
-        out, weights = m.causal_step(toks[None], feats[None], self.cache, want_weights=True)
+        track = self.track_attention
+        out, weights = m.causal_step(toks[None], feats[None], self.cache, want_weights=track)
         out = out[0]
         self.cache.advance(toks.numel())
         self.pending = []
         n = int(self.cache.lengths[0])  # pairs in the cache == position of the root token
         # the root's and every expanded node's attention on slots 0..n-2: the target's prefix keys 1..n-1 (slot n-1
         # is the root itself, a token the target verifies rather than reads from its cache)
-        prefix_weights = weights[0, :, -1, : n - 1].clone()
+        prefix_weights = weights[0, :, -1, : n - 1].clone() if track else None
         row_feature = {0: out[-1]}
         slots = TreeSlots(prefix_len=n, root_position=n, device=toks.device)
 
@@ -149,16 +150,17 @@ class EagleDrafter(Drafter):
             tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=toks.device)
             parent_feats = torch.stack([row_feature[c.parents[i] + 1] for i in nodes])[None]
             s, pos, mask = slots.place(c, nodes)
-            f, w = m.step(tokens, parent_feats, pos, self.cache, s, mask.shape[-1], mask, want_weights=True)
-            prefix_weights.add_(w[0, :, :, : n - 1].sum(1))
+            f, w = m.step(tokens, parent_feats, pos, self.cache, s, mask.shape[-1], mask, want_weights=track)
+            if track:
+                prefix_weights.add_(w[0, :, :, : n - 1].sum(1))
             f = f[0]
             for i, node in enumerate(nodes):
                 row_feature[node + 1] = f[i]
-            return head.to_target(tree_probs(head(f), params))
+            return tree_probs(head(f), params)
 
-        root = head.to_target(tree_probs(head(out[-1]), params))
-        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy)
-        self.attention = on_target_keys(prefix_weights)[None]
+        root = tree_probs(head(out[-1]), params)
+        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=head)
+        self.attention = on_target_keys(prefix_weights)[None] if track else None
         return tree
 
     def draft_attention(self) -> Tensor | None:

@@ -106,6 +106,8 @@ class Engine:
             c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
         if hasattr(drafter, "cache"):  # EAGLE and LM keep a KV cache of their own: same scheme, drafter reader
             drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
+        if drafter is not None:
+            drafter.track_attention = cfg.sparse is not None
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),

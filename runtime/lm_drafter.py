@@ -15,7 +15,7 @@ from torch import Tensor
 from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
-from runtime.model import ModelConfig, RopeScaling, Transformer
+from runtime.model import ModelConfig, RopeScaling, Transformer, pack_for_cpu
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
@@ -40,7 +40,7 @@ class LMDrafter(Drafter):
         """`model` runs inference only from here on: its weights are prepacked for CPU decoding (in place).
         `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
         self.model = model.eval().requires_grad_(False).pack_for_cpu()
-        self.head = DraftHead(model.output.weight, keep_ids)
+        self.head = pack_for_cpu(DraftHead(model.output.weight, keep_ids))
         self.vocab_size = self.head.vocab_size
         self.cache = model.new_cache(1, max_len)
         self.pending: list[Tensor] = []  # committed tokens not yet in the cache; the last one is the root
@@ -84,7 +84,7 @@ class LMDrafter(Drafter):
             tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=lm.device)
             s, pos, mask = slots.place(c, nodes)
             hidden = lm.run_placed(tokens, cache, pos, s, mask.shape[-1], mask, no_logits=True).hidden[0]
-            return head.to_target(tree_probs(head(hidden), params))
+            return tree_probs(head(hidden), params)
 
-        root = head.to_target(tree_probs(head(root_hidden), params))
-        return grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy)
+        root = tree_probs(head(root_hidden), params)
+        return grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=head)

@@ -12,6 +12,7 @@ from torch import nn
 from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import grow_tree, tree_probs
+from runtime.model import Linear, pack_for_cpu
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
@@ -29,7 +30,7 @@ class MedusaConfig:
 class ResBlock(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
+        self.linear = Linear(hidden, hidden)
         nn.init.zeros_(self.linear.weight)  # starts as identity: head k begins as the target's own lm_head
         nn.init.zeros_(self.linear.bias)
 
@@ -55,7 +56,7 @@ class MedusaDrafter(Drafter):
     needs_features = True
 
     def __init__(self, heads: MedusaHeads):
-        self.heads = heads
+        self.heads = pack_for_cpu(heads)
         self.vocab_size = heads.head.vocab_size
         self.last_feature: torch.Tensor | None = None
 
@@ -75,7 +76,7 @@ class MedusaDrafter(Drafter):
                 generator: torch.Generator | None = None) -> DraftTree:
         depth = min(budget.depth, self.heads.cfg.num_heads)
         logits = self.heads(self.last_feature.to(self.heads.head.weight.dtype))  # [K, Vd]
-        probs = self.heads.head.to_target(tree_probs(logits[:depth], params))  # [depth, V]
+        probs = tree_probs(logits[:depth], params)  # [depth, draft vocabulary]
         budget = DraftBudget(depth=depth, width=budget.width, nodes=budget.nodes)
         return grow_tree(probs[0], lambda c, ids: probs[[c.depth(i) for i in ids]], budget, params, generator,
-                         keep_q=not params.greedy)
+                         keep_q=not params.greedy, vocab=self.heads.head)

@@ -102,30 +102,49 @@ class ForwardOutput:
     attention: dict[int, Tensor] = field(default_factory=dict)
 
 
-PACKED_MIN_FP32_ROWS = 4  # fewer fp32 rows run faster through MKL than prepacked (see Linear)
+PACKED_MIN_FP32_ROWS = 4  # fewer fp32 rows run faster through MKL than prepacked (see Packable)
 
 
-class Linear(nn.Linear):
-    """nn.Linear that can carry a oneDNN-prepacked copy of its weight for CPU inference (`pack`).
+class Packable:
+    """A module whose matmul weight can carry a oneDNN-prepacked copy for CPU inference (`pack`).
 
     MKL re-packs the weight on every call: a 2..16-row product (tree verify) then costs 1.5-3x a one-row one
     (decode). Prepacked once, oneDNN runs both at about the cost of streaming the weight once. The plain
     weight stays: training, export and embedding lookups read it, and non-CPU inputs fall back to it.
 
     In fp32, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step: 42 ms against 48 prepacked; at 4
-    rows 68 against 55), so those take the plain path; in bf16 the prepacked kernel wins from one row on."""
+    rows 68 against 55), so those take the plain path; in bf16 the prepacked kernel wins from one row on (an
+    unpacked bf16 product is slower than an fp32 one here)."""
 
+    weight: Tensor
     packed: Tensor | None = None
 
     def pack(self) -> None:
         # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.packed is not None and x.device.type == "cpu" and x.dtype == self.packed.dtype and not x.requires_grad \
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        # the packed op has no backward: it serves only forwards no gradient flows through
+        if self.packed is not None and x.device.type == "cpu" and x.dtype == self.packed.dtype \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return super().forward(x)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+
+class Linear(nn.Linear, Packable):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x, self.bias)
+
+
+def pack_for_cpu(model: nn.Module) -> nn.Module:
+    """Prepack every Packable's weight for oneDNN; a no-op off CPU or without oneDNN. Call it after the last
+    .to() and the last weight update: packed copies neither move nor follow the weights."""
+    if torch.backends.mkldnn.is_available():
+        for module in model.modules():
+            if isinstance(module, Packable) and module.weight.device.type == "cpu":
+                module.pack()
+    return model
 
 
 class NoCache:
@@ -261,13 +280,7 @@ class Transformer(nn.Module):
         return self.output.weight.device
 
     def pack_for_cpu(self) -> "Transformer":
-        """Prepack every matmul weight for oneDNN (see Linear); a no-op off CPU or without oneDNN. Call it after
-        the last .to(): packed copies do not move."""
-        if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.pack()
-        return self
+        return pack_for_cpu(self)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         max_len = max_len or self.max_seq_len

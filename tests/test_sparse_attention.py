@@ -124,6 +124,10 @@ def test_eagle_draft_attention_is_aligned_to_target_keys(target, eagle):
     _, hidden = target(prompt[None], cache, torch.arange(20)[None])
     drafter = EagleDrafter(eagle, 128)
     drafter.reset(torch.cat([prompt, torch.tensor([9])]), hidden[0])
+    drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())
+    assert drafter.draft_attention() is None  # gathered only for SpecAttn, which turns track_attention on
+    drafter.reset(torch.cat([prompt, torch.tensor([9])]), hidden[0])
+    drafter.track_attention = True
     assert drafter.draft_attention() is None
     drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())  # depth 1: the root query alone
     att = drafter.draft_attention()

@@ -239,3 +239,33 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
         cache.advance(1)
     torch.testing.assert_close(torch.cat(decode, 1), ref, atol=1e-3, rtol=1e-4)
     assert torch.equal(torch.cat(decode, 1).argmax(-1), ref.argmax(-1))
+
+
+@torch.no_grad()
+def test_bf16_tree_verify_equals_one_token_decoding_bit_for_bit(tiny_llama_dir):
+    """Greedy speculation in bf16 is lossless only if a node's logits in a tree verify are the very bits a
+    one-token decode of the same path gives. The matmuls compute a row the same way whatever the batch; SDPA
+    does not, so attention computes in fp64 (runtime.attention.exact_dtype). With bf16 SDPA instead, 4 of these
+    24 nodes differ on the 2-core CI CPU."""
+    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=160, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    prefix, root = torch.randint(0, 96, (100,), generator=gen), torch.randint(0, 96, (1,), generator=gen)
+    tree = random_tree(24, gen)
+    cache = model.new_cache()
+    model(prefix[None], cache, positions_for(cache, 100))
+    cache.advance(100)
+    tokens = torch.cat([root, tree.tokens])[None]
+    positions = 100 + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
+    tree_logits, _ = model(tokens, cache, positions, tree.ancestor_mask())
+
+    differs = []
+    for node in range(len(tree)):
+        decode = model.new_cache()
+        model(prefix[None], decode, positions_for(decode, 100))
+        decode.advance(100)
+        for tok in torch.cat([root, tree.tokens[path_to(tree, node)]]):
+            logits, _ = model(tok.view(1, 1), decode, positions_for(decode, 1))
+            decode.advance(1)
+        if not torch.equal(tree_logits[0, node + 1], logits[0, -1]):
+            differs.append(node)
+    assert not differs, f"nodes {differs} of {len(tree)}: tree-verify logits differ from one-token decoding"

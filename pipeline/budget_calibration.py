@@ -67,7 +67,8 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
                       "tokens_per_s": rate, "speedup": rate / ar_rate, "tau": tau})
     best = choose_budget(sweep, min_tau)
     chosen = {k: best[k] for k in ("depth", "width", "nodes", "adaptive")}
-    report = {"chosen": chosen, "min_tau": min_tau, "tokens_per_s_ar": ar_rate, "prompts": len(prompts),
+    report = {"chosen": chosen, "min_tau": min_tau, "tokens_per_s_ar": ar_rate,
+              "dtype": str(target.dtype).removeprefix("torch."), "prompts": len(prompts),
               "new_tokens": new_tokens, "sweep": sweep}
     (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_budgets(sweep, out / "draft_budget.png")

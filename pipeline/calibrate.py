@@ -26,6 +26,7 @@ from runtime.bench import generation_stop_ids
 from runtime.bundle import KV_QUANT, kv_engine_fields
 from runtime.drafters import runtime_drafter
 from runtime.model import Transformer
+from runtime.precision import float_dtype
 from train.data import TokenizedSet, prompts_from
 
 NOT_APPLICABLE = "not applicable"
@@ -143,8 +144,13 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     outputs |= kv_outputs
     metrics |= kv_metrics
     message += kv_message + "; "
+    # budgets are timed in the precision validate and serving run: on an AMX CPU bf16 verifies a tree at
+    # relatively less cost than fp32, which moves the fastest budget
+    precision = ctx.cfg.validate.precision
+    timed = target if float_dtype(precision, target.device) == target.dtype else load_target(ctx, precision=precision)
+    timed_model = model if timed is target else build_drafter_model(config, timed, tensors)
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
-        ctx.out, target, lambda: runtime_drafter(kind, model, target), budget_prompts(ctx, val, s),
+        ctx.out, timed, lambda: runtime_drafter(kind, timed_model, timed), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens, kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
         generation_stop_ids(ctx.target_dir), min_tau=ctx.cfg.validate.gate.min_tau * (1 + s.budget_tau_margin))
     outputs |= budget_outputs

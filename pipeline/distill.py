@@ -13,7 +13,7 @@ from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
 from runtime.drafters import drafter_config, drafter_module, drafter_tensors, runtime_drafter
 from runtime.engine import Engine, EngineConfig
-from runtime.precision import use_bf16
+from runtime.precision import float_dtype, use_bf16
 from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant
 from runtime.sampling import SamplingParams
@@ -23,8 +23,10 @@ from train.shards import load_features
 from train.trainer import TrainSpec, mlflow_logger, train
 
 
-def load_target(ctx: StageContext, max_seq_len: int = 2048, dtype: torch.dtype = torch.float32) -> Transformer:
-    return Transformer.from_pretrained(ctx.target_dir, max_seq_len=max_seq_len, dtype=dtype)
+def load_target(ctx: StageContext, max_seq_len: int = 2048, precision: str = "fp32") -> Transformer:
+    """The target on CPU; precision auto|fp32|bf16 (runtime.precision: auto is bf16 where bf16 is fast)."""
+    return Transformer.from_pretrained(ctx.target_dir, max_seq_len=max_seq_len,
+                                       dtype=float_dtype(precision, torch.device("cpu")))
 
 
 def draft_budget(ctx: StageContext) -> DraftBudget:

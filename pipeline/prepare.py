@@ -34,7 +34,10 @@ def run_prepare(ctx: StageContext) -> StageResult:
             if target is None:
                 from pipeline.distill import load_target
 
-                target = load_target(ctx, max_seq_len=d.max_length, dtype=target_dtype(d.precision))
+                # bf16 where it is fast: the target pass is almost all of prepare's time (regeneration 1.8x faster
+                # on the 2-core AMX CI kind); the drafter then learns the bf16 target, which differs from fp32's
+                # in rare near-ties only
+                target = load_target(ctx, max_seq_len=d.max_length, precision=d.precision)
             rows, features, why = target_pass(ctx, target, tok, splits[split], work_dir(ctx) / split)
             dropped.update({f"{split}_{k}": v for k, v in why.items()})
         else:
@@ -54,17 +57,6 @@ def run_prepare(ctx: StageContext) -> StageResult:
            + (f", target features cached ({FEATURES_DIR}/)" if d.cache_hidden else ""))
     return StageResult(outputs=outputs, metrics={**metrics, "malformed": convs.n_malformed,
                                                  **{f"dropped_{k}": v for k, v in dropped.items()}}, message=msg)
-
-
-def target_dtype(precision: str):
-    """bf16 weights where the hardware has bf16 matrix units: the target pass here is almost all of prepare's
-    time, and on the 2-core AMX CI kind regeneration runs 1.8x faster (prefill 4x). The drafter then learns the
-    bf16 target's answers and features, which differ from fp32's in rare near-ties only."""
-    import torch
-
-    from runtime.precision import use_bf16
-
-    return torch.bfloat16 if use_bf16(precision, torch.device("cpu")) else torch.float32
 
 
 def work_dir(ctx: StageContext) -> Path:

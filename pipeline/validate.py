@@ -96,7 +96,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     v, settings = ctx.cfg.validate, bundle.engine_settings(draft_budget(ctx))  # serving's settings
     budget = settings["budget"]
     max_seq_len = max(map(len, prompts)) + v.max_new_tokens + budget.max_nodes + 1
-    target = load_target(ctx, max_seq_len)
+    target = load_target(ctx, max_seq_len, v.precision)
     hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
     stop_ids = generation_stop_ids(ctx.target_dir)
     engine_cfg = EngineConfig(max_seq_len=max_seq_len, **settings)

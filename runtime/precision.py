@@ -30,6 +30,11 @@ def bf16_is_fast(device: torch.device) -> bool:
     return device.type == "cpu" and "amx_bf16" in _cpu_flags()
 
 
+def float_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """bf16 where `precision` means it on `device` (see use_bf16), else fp32."""
+    return torch.bfloat16 if use_bf16(precision, device) else torch.float32
+
+
 def use_bf16(precision: str, device: torch.device) -> bool:
     """Whether `precision` (auto | fp32 | bf16) means bf16 on `device` (autocast in training, weights in prepare)."""
     if precision not in PRECISIONS:

@@ -115,6 +115,7 @@ def cmd_bench(args) -> int:
     from runtime.bundle import read_bundle
     from runtime.drafter import DraftBudget
     from runtime.drafters import build_drafter
+    from runtime.precision import float_dtype
 
     if args.random_weights:  # issue #8: random weights of a named shape, e.g. on a GPU without a checkpoint
         from runtime.gpu_bench import bench_from_args
@@ -140,7 +141,8 @@ def cmd_bench(args) -> int:
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
         fields = bundle.engine_settings(budget)  # as serving runs it: calibrated budget and KV scheme
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
-                       dtype=getattr(torch, args.dtype or "float32"), engine_fields=fields, drafter_factory=factory)
+                       dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", torch.device("cpu")),
+                       engine_fields=fields, drafter_factory=factory)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0

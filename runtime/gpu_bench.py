@@ -182,7 +182,8 @@ def add_arguments(ap) -> None:
                     help="benchmark random weights of this shape instead of --target (no checkpoint needed)")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                    help="default: bfloat16 with --random-weights, else float32 (validate's dtype)")
+                    help="default: bfloat16 with --random-weights, else validate's default (validate.precision=auto: "
+                         "bfloat16 where the CPU has AMX, else float32)")
     ap.add_argument("--n-prompts", type=int, default=5, help="random prompts (16..64 tokens)")
     ap.add_argument("--accept-rate", type=float, default=0.8,
                     help="replay drafter: probability each chain position proposes the right token")

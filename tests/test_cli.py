@@ -4,6 +4,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from runtime.precision import float_dtype
 
 
 def pipeline(*args, cwd):
@@ -109,15 +112,16 @@ def test_bench_refuses_a_bundle_for_another_target(tmp_path):
 @pytest.mark.slow
 def test_bench_cli_writes_report(tmp_path):
     (tmp_path / "p.txt").write_text("Say hello.\n")
-    res = pipeline("bench", "--drafter", "ngram", "--prompts", "p.txt", "--max-new-tokens", "8", "--out", "b.json",
-                   cwd=tmp_path)
+    res = pipeline("bench", "--drafter", "ngram", "--prompts", "p.txt", "--max-new-tokens", "8", "--dtype", "float32",
+                   "--out", "b.json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     report = json.loads((tmp_path / "b.json").read_text())
     assert set(report["methods"]) == {"hf_generate", "ours_ar", "ours_spec"}
     assert report["methods"]["ours_spec"]["same_tokens_as_ours_ar"] is True
     assert report["ours_ar_fraction_of_floor"] > 0 and report["dtype"] == "float32"
-    res = pipeline("bench", "--prompts", "p.txt", "--max-new-tokens", "4", "--dtype", "bfloat16", "--out", "b16.json",
-                   cwd=tmp_path)
+    res = pipeline("bench", "--prompts", "p.txt", "--max-new-tokens", "4", "--out", "auto.json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "b16.json").read_text())
-    assert report["dtype"] == "bfloat16" and report["weight_bytes_per_token"] < 300e6  # bf16 halves the weights
+    report = json.loads((tmp_path / "auto.json").read_text())
+    bf16 = float_dtype("auto", torch.device("cpu")) == torch.bfloat16  # validate's default precision
+    assert report["dtype"] == ("bfloat16" if bf16 else "float32")
+    assert (report["weight_bytes_per_token"] < 300e6) == bf16  # bf16 halves the weights

@@ -100,22 +100,27 @@ def path_to(tree: DraftTree, node: int) -> list[int]:
     return path[::-1]
 
 
+def verify_random_tree(model: Transformer, n_prefix: int, n_nodes: int):
+    """A random prefix committed to a fresh cache, then one tree-verify forward over a random root and tree:
+    (prefix, root, tree, cache, (logits, hidden))."""
+    gen = torch.Generator().manual_seed(4)
+    prefix, root = torch.randint(0, 96, (n_prefix,), generator=gen), torch.randint(0, 96, (1,), generator=gen)
+    tree = random_tree(n_nodes, gen)
+    cache = model.new_cache()
+    model(prefix[None], cache, positions_for(cache, n_prefix))
+    cache.advance(n_prefix)
+    tokens = torch.cat([root, tree.tokens])[None]
+    positions = n_prefix + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
+    return prefix, root, tree, cache, model(tokens, cache, positions, tree.ancestor_mask())
+
+
 @pytest.mark.parametrize("arch,overrides", [FAMILIES[0], FAMILIES[-1]], ids=["llama", "mistral-window"])
 @torch.no_grad()
 def test_tree_verify_and_compact_equal_plain_decoding(tiny_model_dir, arch, overrides):
     """Each tree node sees the prefix and its ancestors only; after compacting to one path the cache is the
     cache of plain decoding along that path."""
     model = Transformer.from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
-    gen = torch.Generator().manual_seed(4)
-    prefix, root = torch.randint(0, 96, (10,), generator=gen), torch.randint(0, 96, (1,), generator=gen)
-    tree = random_tree(9, gen)
-
-    cache = model.new_cache()
-    model(prefix[None], cache, positions_for(cache, 10))
-    cache.advance(10)
-    tokens = torch.cat([root, tree.tokens])[None]
-    positions = 10 + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
-    tree_logits, tree_hidden = model(tokens, cache, positions, tree.ancestor_mask())
+    prefix, root, tree, cache, (tree_logits, tree_hidden) = verify_random_tree(model, 10, 9)
 
     for node in range(len(tree)):
         path = path_to(tree, node)
@@ -248,15 +253,7 @@ def test_bf16_tree_verify_equals_one_token_decoding_bit_for_bit(tiny_llama_dir):
     does not, so attention computes in fp64 (runtime.attention.exact_dtype). With bf16 SDPA instead, 4 of these
     24 nodes differ on the 2-core CI CPU."""
     model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=160, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(4)
-    prefix, root = torch.randint(0, 96, (100,), generator=gen), torch.randint(0, 96, (1,), generator=gen)
-    tree = random_tree(24, gen)
-    cache = model.new_cache()
-    model(prefix[None], cache, positions_for(cache, 100))
-    cache.advance(100)
-    tokens = torch.cat([root, tree.tokens])[None]
-    positions = 100 + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
-    tree_logits, _ = model(tokens, cache, positions, tree.ancestor_mask())
+    prefix, root, tree, _, (tree_logits, _) = verify_random_tree(model, 100, 24)
 
     differs = []
     for node in range(len(tree)):

@@ -102,11 +102,29 @@ class SdpaBackend(AttentionBackend):
     def runs_on(device: torch.device) -> bool:
         return True
 
+    def __init__(self):
+        self._mask: tuple[Tensor, Tensor] | None = None  # (a forward's mask, its grouped additive form)
+
     def __call__(self, q, keys, values, mask, keep):
-        qg, mask_g = _grouped(q, keys, mask, keep)
         dtype = exact_dtype(q)
+        if keep is None and mask is not None:  # every layer of a forward gets the same mask: convert it once
+            qg = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])
+            mask_g = self._additive(mask, qg.shape[2] // q.shape[2], dtype)
+        else:
+            qg, mask_g = _grouped(q, keys, mask, keep)
         out = F.scaled_dot_product_attention(qg.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask_g)
         return out.to(q.dtype).reshape(q.shape)
+
+    def _additive(self, mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+        """mask [B, 1, T, S] bool -> [B, 1, G*T, S] of 0 / -inf in `dtype`, kept for the next call with the same
+        mask object (held here, so its id cannot be reused). Saves ~1 ms of a 7-token SmolLM2 verify."""
+        last = self._mask  # one read: another thread may replace it
+        if last is not None and last[0] is mask and last[1].dtype == dtype and last[1].shape[2] == groups * mask.shape[2]:
+            return last[1]
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        additive = additive.repeat(1, 1, groups, 1)
+        self._mask = (mask, additive)
+        return additive
 
 
 register_backend(SdpaBackend())

@@ -185,3 +185,23 @@ def test_engine_sparse_settings_are_checked(target, eagle):
     assert SpecAttnConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="layer_map, top_p"):
         SpecAttnConfig.from_json('{"top_p": 0.9}')
+
+
+def test_sdpa_converts_each_new_mask():
+    """The backend converts a forward's mask once for all its layers; the next mask must be converted anew, or
+    attention would read the previous one."""
+    from runtime.attention import BACKENDS
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen),
+               torch.randn(1, 2, 6, 8, generator=gen))
+    sdpa, dense_mask = BACKENDS["sdpa"], torch.ones(1, 1, 3, 6, dtype=torch.bool)
+    narrow_mask = dense_mask.clone()
+    narrow_mask[..., 4:] = False
+    dense = sdpa(q, k, v, dense_mask, None)
+    assert torch.equal(sdpa(q, k, v, dense_mask, None), dense)
+    narrowed = sdpa(q, k, v, narrow_mask, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :4].repeat_interleave(2, 1),
+                                                             v[:, :, :4].repeat_interleave(2, 1))
+    torch.testing.assert_close(narrowed, want)
+    assert not torch.allclose(dense, narrowed)

@@ -114,7 +114,8 @@ def register_bundle(cfg: Config, store: RunStore):
             name=MODEL_ARTIFACT, python_model=DraftsmithPyfunc(), artifacts={"bundle": str(validated.bundle_dir)},
             model_config={"target": _serving_target(cfg.target), "max_new_tokens": cfg.validate.max_new_tokens,
                           "budget": {"depth": cfg.drafter.depth, "width": cfg.drafter.width,
-                                     "nodes": cfg.drafter.nodes}},  # the draft tree budget validate measured
+                                     "nodes": cfg.drafter.nodes},  # the draft tree budget validate measured
+                          "precision": cfg.validate.precision},  # and the precision it measured in
             signature=pyfunc_signature(), pip_requirements=[f"mlflow=={mlflow.__version__}"])
         version = mlflow.register_model(info.model_uri, name, tags=tags)
     client.set_registered_model_alias(name, CANDIDATE, version.version)

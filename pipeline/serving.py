@@ -47,13 +47,18 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from runtime.drafter import DraftBudget
         from runtime.drafters import build_drafter
         from runtime.engine import Engine, EngineConfig
+        import torch
+
         from runtime.model import Transformer
+        from runtime.precision import float_dtype
 
         settings = context.model_config
         target_dir = resolve_target(settings["target"])
         # Refuse to serve a drafter against weights other than those it was trained and validated for.
         bundle = read_bundle(context.artifacts["bundle"], expect_target_fingerprint=target_fingerprint(target_dir))
-        target = Transformer.from_pretrained(target_dir)
+        # validate's precision, resolved on this machine; models registered before it was recorded ran fp32
+        dtype = float_dtype(settings.get("precision", "fp32"), torch.device("cpu"))
+        target = Transformer.from_pretrained(target_dir, dtype=dtype)
         engine_cfg = EngineConfig(max_seq_len=target.max_seq_len,  # serve the target's whole context
                                   **bundle.engine_settings(DraftBudget(**settings["budget"])))
         self.engine = Engine(target, build_drafter(bundle, target, engine_cfg.max_seq_len), engine_cfg)

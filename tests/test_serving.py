@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from mlflow_server import free_port, run_stage, stop, validated_run, wait_healthy
 
 from pipeline.config import load_config
 from pipeline.registry import run_promote, run_register
 from pipeline.serving import serve_invocation
 from pipeline.sources import target_fingerprint
+from runtime.precision import float_dtype
 from runtime.bundle import BundleError
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
@@ -43,7 +45,7 @@ def tiny_chat_target(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
+def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int, dtype=torch.float32) -> list[str]:
     """Reference answers: the target alone, greedy, through the same chat template and stop token."""
     from transformers import AutoTokenizer
 
@@ -51,7 +53,7 @@ def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int) -> l
     from runtime.model import Transformer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    target = Transformer.from_pretrained(target_dir)
+    target = Transformer.from_pretrained(target_dir, dtype=dtype)
     engine = Engine(target, None, EngineConfig(max_seq_len=target.max_seq_len))
     answers = []
     for p in prompts:
@@ -74,11 +76,13 @@ def test_pyfunc_generates_like_the_target(tmp_path, tiny_chat_target):
     store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target))
     model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
     model = mlflow.pyfunc.load_model(model_uri)
+    dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))  # served as validate measured
+    assert model.unwrap_python_model().engine.target.dtype == dtype
     prompts = ["w5 w6 w7 w5 w6 w7 w5 w6", "w40 w41 w40 w41"]
     # The second row leaves max_new_tokens out (NaN in the frame): it gets validate's max_new_tokens.
     served = model.predict(pd.DataFrame([{"prompt": prompts[0], "max_new_tokens": 24}, {"prompt": prompts[1]}]))
     lengths = (24, cfg.validate.max_new_tokens)
-    expected = [plain_greedy(tiny_chat_target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    expected = [plain_greedy(tiny_chat_target, [p], n, dtype)[0] for p, n in zip(prompts, lengths)]
     assert served == expected and len(set(expected[0].split())) > 3  # a varied answer, not one repeated token
     sampled = model.predict(pd.DataFrame({"prompt": prompts[:1], "temperature": [0.8]}))
     assert len(sampled) == 1 and isinstance(sampled[0], str)
@@ -120,4 +124,5 @@ def test_serve_champion_over_http(tmp_path, smollm2_dir):
             predictions = json.loads(r.read())["predictions"]
     finally:
         stop(proc)
-    assert predictions == plain_greedy(smollm2_dir, prompts, 16) and all(p.strip() for p in predictions)
+    expected = plain_greedy(smollm2_dir, prompts, 16, float_dtype(cfg.validate.precision, torch.device("cpu")))
+    assert predictions == expected and all(p.strip() for p in predictions)

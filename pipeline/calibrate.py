@@ -137,18 +137,19 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     c = ctx.cfg.calibrate
     model = build_drafter_model(config, target, tensors)
     rows = calibration_rows(val, c.prompts, c.tokens)
-    kv_outputs, kv_metrics, kv_message = calibrate_kv(
-        ctx.out, target, runtime_drafter(kind, model, target), rows, schemes=c.kv_schemes, recent=c.kv_recent,
-        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts, budget=draft_budget(ctx),
-        tau_new_tokens=s.tau_new_tokens, dense_tau=quant["fp32_tau"])
-    outputs |= kv_outputs
-    metrics |= kv_metrics
-    message += kv_message + "; "
-    # budgets are timed in the precision validate and serving run: on an AMX CPU bf16 verifies a tree at
-    # relatively less cost than fp32, which moves the fastest budget
+    # KV decode steps and draft budgets are timed in the precision validate and serving run: on an AMX CPU bf16
+    # verifies a tree at relatively less cost than fp32, which moves the fastest budget
     precision = ctx.cfg.validate.precision
     timed = target if float_dtype(precision, target.device) == target.dtype else load_target(ctx, precision=precision)
     timed_model = model if timed is target else build_drafter_model(config, timed, tensors)
+    kv_outputs, kv_metrics, kv_message = calibrate_kv(
+        ctx.out, target, runtime_drafter(kind, model, target), rows, schemes=c.kv_schemes, recent=c.kv_recent,
+        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts, budget=draft_budget(ctx),
+        tau_new_tokens=s.tau_new_tokens, dense_tau=quant["fp32_tau"], timed=timed, decode_context=c.tokens,
+        max_slowdown=c.kv_max_slowdown)
+    outputs |= kv_outputs
+    metrics |= kv_metrics
+    message += kv_message + "; "
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
         ctx.out, timed, lambda: runtime_drafter(kind, timed_model, timed), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens, kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),

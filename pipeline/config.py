@@ -74,6 +74,9 @@ class CalibrateCfg(Section):
     weight_schemes: list[str] = ["int8", "int4-g128", "int4-g64", "int4-g32"]  # drafter weights
     kv_schemes: list[str] = ["int8", "int4", "hier-int4"]  # KV cache of target and drafter
     kv_recent: int = Field(64, ge=0)  # most recent tokens kept in full precision (rollback never requantises)
+    # a KV scheme whose decode step (validate's precision, this device) is slower than a full-precision cache's by
+    # more than this share is not chosen: where the history is dequantised on every read, compression costs speed
+    kv_max_slowdown: float = Field(0.05, ge=0)
     prompts: int = Field(4, ge=1)  # calibration prompts from the validation split
     tokens: int = Field(256, ge=8)  # tokens per calibration row
     dense_first: int = Field(2, ge=0)  # SpecAttn: the first target layers always attend densely

@@ -1,6 +1,9 @@
 """QuantSpec KV-cache quantisation chosen by measurement: for each scheme, the target's perplexity on the
-calibration rows read through the quantised cache, and tau with the target's and the drafter's caches quantised
-(the drafter reads hier-int4's upper plane only). The most compressed scheme within both tolerances wins.
+calibration rows read through the quantised cache, tau with the target's and the drafter's caches quantised
+(the drafter reads hier-int4's upper plane only), and the time of a decode step in the precision validate and
+serving run, on this device. The most compressed scheme within both accuracy tolerances and the slowdown bound
+wins: compression saves memory, but where the history is dequantised on every read (the CPU torch path: +30% per
+SmolLM2 bf16 decode step for int4 at 256 tokens) it costs the speed the gate measures.
 
 Perplexity is teacher-forced in chunks no longer than QuantizedKVCache.exact_depth() allows, so every query reads
 the history exactly as it would when decoding one token at a time.
@@ -8,6 +11,8 @@ the history exactly as it would when decoding one token at a time.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -35,20 +40,53 @@ def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None)
     return next_token_nll(torch.cat(logits, dim=1), ids.to(target.device))
 
 
-def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance: float) -> str:
-    """The scheme whose target reads are smallest among those within both tolerances; NO_KV_QUANT if none."""
-    ok = [c for c in candidates if c["tau_drop"] <= tau_tolerance and c["ppl_change"] <= ppl_tolerance]
+@torch.inference_mode()
+def decode_ms(target: Transformer, quants: dict[str, KVQuant | None], context: int, rounds: int = 5,
+              steps: int = 4) -> dict[str, float]:
+    """Median milliseconds of a one-token decode forward after `context` cached tokens, per named cache storage
+    (None: full precision). Rounds interleave the storages, so machine noise falls on each alike."""
+    c, device = target.config, target.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = torch.randint(0, c.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    position = torch.tensor([[context]], device=device)
+    caches = {}
+    for name, quant in quants.items():
+        cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, context + 1, c.head_dim, quant, target.dtype, device)
+        target(ids[:, :context], cache, torch.arange(context, device=device)[None])
+        cache.advance(context)  # moves the committed history below the block boundary into the codes
+        target(ids[:, context:], cache, position)  # warm-up; the slot is rewritten, never committed
+        caches[name] = cache
+    samples: dict[str, list[float]] = {name: [] for name in quants}
+    for _ in range(rounds):
+        for name, cache in caches.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                target(ids[:, context:], cache, position, last_logits_only=True)
+            sync()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
+
+
+def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance: float,
+                     max_slowdown: float) -> str:
+    """The scheme whose target reads are smallest among those within both accuracy tolerances and decoding at
+    most `max_slowdown` slower than a full-precision cache; NO_KV_QUANT if none."""
+    ok = [c for c in candidates if c["tau_drop"] <= tau_tolerance and c["ppl_change"] <= ppl_tolerance
+          and c["slowdown"] <= max_slowdown]
     return min(ok, key=lambda c: (c["target_bits"], c["draft_bits"]))["scheme"] if ok else NO_KV_QUANT
 
 
 def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[torch.Tensor], *, schemes: list[str],
                  recent: int, tau_tolerance: float, ppl_tolerance: float, tau_prompts: list[list[int]],
-                 budget: DraftBudget, tau_new_tokens: int,
-                 dense_tau: float) -> tuple[dict[str, str], dict[str, float], str]:
+                 budget: DraftBudget, tau_new_tokens: int, dense_tau: float, timed: Transformer,
+                 decode_context: int, max_slowdown: float) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes kv_quant.json (every candidate's measurements and the choice; export ships it in the bundle, whose
     Bundle.kv_settings() the runtime's engines apply) to `out`. `dense_tau`: measured on the same prompts and budget
-    with a full-precision cache (calibrate's fp32 drafter tau)."""
+    with a full-precision cache (calibrate's fp32 drafter tau). `timed`: the target in the precision validate and
+    serving run, whose decode step is timed after `decode_context` tokens."""
     dense_ppl = perplexity([quantized_nll(target, r, None) for r in rows])
+    times = decode_ms(timed, {NO_KV_QUANT: None, **{s: KVQuant(s, recent) for s in schemes}}, decode_context)
     head_dim, candidates = target.config.head_dim, []
     for scheme in schemes:
         quant = KVQuant(scheme, recent)
@@ -56,14 +94,28 @@ def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[to
         tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens, kv=quant)["tau"]
         candidates.append({"scheme": scheme, "perplexity": ppl, "ppl_change": ppl / dense_ppl - 1, "tau": tau,
                            "tau_drop": (dense_tau - tau) / dense_tau, "target_bits": quant.read_bits(head_dim),
-                           "draft_bits": KVQuant(scheme, recent, reader="draft").read_bits(head_dim)})
-    chosen = choose_kv_scheme(candidates, tau_tolerance, ppl_tolerance)
+                           "draft_bits": KVQuant(scheme, recent, reader="draft").read_bits(head_dim),
+                           "decode_ms": times[scheme], "slowdown": times[scheme] / times[NO_KV_QUANT] - 1})
+    chosen = choose_kv_scheme(candidates, tau_tolerance, ppl_tolerance, max_slowdown)
     report = {"chosen": chosen, "recent": recent, "dense_perplexity": dense_ppl, "dense_tau": dense_tau,
               "full_precision_bits": 8 * target.dtype.itemsize, "tau_tolerance": tau_tolerance,
-              "ppl_tolerance": ppl_tolerance, "rows": len(rows), "candidates": candidates}
+              "ppl_tolerance": ppl_tolerance, "rows": len(rows), "decode_dtype": str(timed.dtype).removeprefix("torch."),
+              "decode_context": decode_context, "full_precision_decode_ms": times[NO_KV_QUANT],
+              "max_slowdown": max_slowdown, "candidates": candidates}
     (out / KV_QUANT).write_text(json.dumps(report, indent=2) + "\n")
-    metrics = {f"kv_{c['scheme']}_{k}": c[k] for c in candidates for k in ("ppl_change", "tau")}
+    metrics = {f"kv_{c['scheme']}_{k}": c[k] for c in candidates for k in ("ppl_change", "tau", "slowdown")}
+    return {"kv_quant": KV_QUANT}, metrics, kv_message(candidates, chosen, tau_tolerance, ppl_tolerance, max_slowdown)
+
+
+def kv_message(candidates: list[dict], chosen: str, tau_tolerance: float, ppl_tolerance: float,
+               max_slowdown: float) -> str:
     best = next((c for c in candidates if c["scheme"] == chosen), None)
-    message = (f"KV {chosen}: {best['target_bits']:.1f} bits/value, perplexity {best['ppl_change']:+.2%}, "
-               f"tau {best['tau']:.2f}" if best else "KV: no scheme within tolerance, cache stays full precision")
-    return {"kv_quant": KV_QUANT}, metrics, message
+    if best:
+        return (f"KV {chosen}: {best['target_bits']:.1f} bits/value, perplexity {best['ppl_change']:+.2%}, "
+                f"tau {best['tau']:.2f}, decode {best['slowdown']:+.0%}")
+    accurate = [c for c in candidates if c["tau_drop"] <= tau_tolerance and c["ppl_change"] <= ppl_tolerance]
+    if accurate:  # say what compression would have cost: the user may prefer memory over speed
+        slow = ", ".join(f"{c['scheme']} {c['slowdown']:+.0%}" for c in accurate)
+        return (f"KV: full precision (within the accuracy tolerances but decoding slower here: {slow}; "
+                f"calibrate.kv_max_slowdown={max_slowdown:g})")
+    return "KV: no scheme within tolerance, cache stays full precision"

@@ -12,7 +12,7 @@ from export.layer_map import DENSE, LayerMap
 from pipeline.budget_calibration import candidates, choose_budget
 from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
-from pipeline.kv_calibration import choose_kv_scheme, quantized_nll
+from pipeline.kv_calibration import choose_kv_scheme, decode_ms, kv_message, quantized_nll
 from pipeline.runstore import RunStore
 from pipeline.specattn_calibration import calibration_row, choose_top_p, effective_keys, sparse_nll
 from pipeline.stages import StageContext
@@ -21,6 +21,7 @@ from runtime.drafter import DraftBudget
 from runtime.drafters import DRAFT_VOCAB
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
+from runtime.precision import float_dtype
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache
 from runtime.sampling import SamplingParams
 from train import recipes
@@ -155,8 +156,13 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert cands["int4"]["target_bits"] < cands["int8"]["target_bits"] <= cands["hier-int4"]["target_bits"]
     assert cands["hier-int4"]["draft_bits"] < cands["hier-int4"]["target_bits"]  # the drafter reads the upper half
     assert cands["int4"]["ppl_change"] > cands["int8"]["ppl_change"]  # int4 loses more than int8
-    ok = [c for c in cands.values() if c["tau_drop"] <= 0.02 and c["ppl_change"] <= 0.01]
+    serving = str(float_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # validate.precision's default
+    assert kv["decode_dtype"] == serving and kv["decode_context"] == 256 and kv["full_precision_decode_ms"] > 0
+    for c in cands.values():  # each scheme's decode step timed against the full-precision cache's
+        assert c["decode_ms"] > 0 and c["slowdown"] == pytest.approx(c["decode_ms"] / kv["full_precision_decode_ms"] - 1)
+    ok = [c for c in cands.values() if c["tau_drop"] <= 0.02 and c["ppl_change"] <= 0.01 and c["slowdown"] <= 0.05]
     assert kv["chosen"] == (min(ok, key=lambda c: (c["target_bits"], c["draft_bits"]))["scheme"] if ok else "none")
+    assert kv["max_slowdown"] == 0.05 and m["kv_int4_slowdown"] == cands["int4"]["slowdown"]
     assert m["kv_int8_ppl_change"] == cands["int8"]["ppl_change"] and "kv_quant" in result.outputs
 
     budget = json.loads((ctx.out / "draft_budget.json").read_text())  # timed candidates within the configured 4x2/8
@@ -238,13 +244,36 @@ def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, disti
     assert reads < dense and nll.shape == row.dense_nll.shape
 
 
-def test_choose_kv_scheme_is_the_smallest_within_both_tolerances():
-    cands = [{"scheme": "int8", "tau_drop": 0.0, "ppl_change": 0.001, "target_bits": 8.5, "draft_bits": 8.5},
-             {"scheme": "int4", "tau_drop": 0.0, "ppl_change": 0.03, "target_bits": 5.0, "draft_bits": 5.0},
-             {"scheme": "hier-int4", "tau_drop": 0.01, "ppl_change": 0.001, "target_bits": 8.5, "draft_bits": 4.5}]
-    assert choose_kv_scheme(cands, 0.02, 0.01) == "hier-int4"  # int8's reads for the target, half for the drafter
-    assert choose_kv_scheme(cands, 0.02, 0.05) == "int4"
-    assert choose_kv_scheme(cands, 0.0, 0.0) == "none"
+def test_choose_kv_scheme_is_the_smallest_within_both_tolerances_and_the_slowdown():
+    cands = [{"scheme": "int8", "tau_drop": 0.0, "ppl_change": 0.001, "target_bits": 8.5, "draft_bits": 8.5,
+              "slowdown": 0.02},
+             {"scheme": "int4", "tau_drop": 0.0, "ppl_change": 0.03, "target_bits": 5.0, "draft_bits": 5.0,
+              "slowdown": 0.3},
+             {"scheme": "hier-int4", "tau_drop": 0.01, "ppl_change": 0.001, "target_bits": 8.5, "draft_bits": 4.5,
+              "slowdown": 0.04}]
+    assert choose_kv_scheme(cands, 0.02, 0.01, 1.0) == "hier-int4"  # int8's reads for the target, half for the drafter
+    assert choose_kv_scheme(cands, 0.02, 0.05, 1.0) == "int4"
+    assert choose_kv_scheme(cands, 0.02, 0.05, 0.05) == "hier-int4"  # int4 is accurate enough but too slow
+    assert choose_kv_scheme(cands, 0.02, 0.01, 0.03) == "int8"
+    assert choose_kv_scheme(cands, 0.02, 0.01, 0.01) == "none"
+    assert choose_kv_scheme(cands, 0.0, 0.0, 1.0) == "none"
+
+
+def test_kv_message_says_when_speed_alone_ruled_compression_out():
+    cands = [{"scheme": "int4", "tau_drop": 0.0, "ppl_change": 0.001, "target_bits": 5.0, "slowdown": 0.3}]
+    assert kv_message(cands, "none", 0.02, 0.01, 0.05) == ("KV: full precision (within the accuracy tolerances but "
+                                                           "decoding slower here: int4 +30%; "
+                                                           "calibrate.kv_max_slowdown=0.05)")
+    assert kv_message(cands, "none", 0.02, 0.0, 0.05) == "KV: no scheme within tolerance, cache stays full precision"
+
+
+def test_decode_ms_times_every_storage_after_the_context(target_dir):
+    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    quants = {"none": None, "int4": KVQuant("int4", recent=4)}
+    times = decode_ms(target, quants, context=40, rounds=2, steps=1)
+    assert set(times) == {"none", "int4"} and all(0 < t < 10_000 for t in times.values())
+    with pytest.raises(ValueError, match="max_seq_len"):  # the context must fit the target
+        decode_ms(target, quants, context=64, rounds=1, steps=1)
 
 
 def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(target_dir, distilled):

@@ -1,5 +1,5 @@
 """The calibrate stage: drafter weight quantisation chosen by measured tau, KV-cache quantisation chosen by measured
-perplexity and tau (pipeline.kv_calibration), and the SpecAttn layer map.
+perplexity, tau and decode speed (pipeline.kv_calibration), and the SpecAttn layer map.
 
 Quantisation touches only the drafter: the target's weights and therefore its perplexity are unchanged; what a
 scheme can cost is acceptance, so each candidate is judged by the tau it reaches in the runtime.

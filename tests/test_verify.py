@@ -104,6 +104,14 @@ def test_greedy_on_empty_tree_is_plain_decoding():
     assert verify_greedy(DraftTree.empty(), _logits_with_argmax([7])) == Verdict([], 7)
 
 
+def test_greedy_on_bf16_ties_takes_the_first_maximum_as_decoding_does():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (2, 40), generator=g).to(torch.bfloat16)  # many tied maxima per row
+    first_max = [row.index(max(row)) for row in logits.float().tolist()]
+    tree = DraftTree.chain(torch.tensor([first_max[0]]))
+    assert verify_greedy(tree, logits) == Verdict([0], first_max[1])
+
+
 def test_verify_dispatch_and_greedy_as_sampling_limit():
     tree = DraftTree(torch.tensor([3, 4, 6, 5, 9]), torch.tensor([-1, -1, 0, 1, 3]))
     logits = _logits_with_argmax([4, 6, 5, 0, 9, 1])

@@ -145,7 +145,8 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
         ctx.out, target, runtime_drafter(kind, model, target), rows, schemes=c.kv_schemes, recent=c.kv_recent,
         tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts, budget=draft_budget(ctx),
-        tau_new_tokens=s.tau_new_tokens, dense_tau=quant["fp32_tau"], timed=timed, decode_context=c.tokens,
+        tau_new_tokens=s.tau_new_tokens, dense_tau=quant["fp32_tau"], timed=timed,
+        decode_context=min(c.tokens, timed.max_seq_len - 1),  # rows are only cut to c.tokens: it may be larger
         max_slowdown=c.kv_max_slowdown)
     outputs |= kv_outputs
     metrics |= kv_metrics

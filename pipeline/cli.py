@@ -48,8 +48,16 @@ def cmd_run(args) -> int:
                 raise DraftsmithError(f"stage {stage.name} is not implemented yet (issue #{stage.issue}); "
                                       f"the stages before it are done in {store.dir}")
             console.rule(stage.name)
-            with stage_run(cfg, store, stage.name, stage.sections):
-                rec = store.run_stage(stage.name, digest, lambda out: stage.run(StageContext(cfg, store, out, digest)))
+            try:
+                with stage_run(cfg, store, stage.name, stage.sections):
+                    rec = store.run_stage(stage.name, digest,
+                                          lambda out: stage.run(StageContext(cfg, store, out, digest)))
+            except (DraftsmithError, BundleError):
+                raise  # bad input: main() prints it and exits 2
+            except Exception as e:  # one line here; the traceback is kept for whoever debugs it
+                console.print(f"[red]{stage.name}: failed:[/] {type(e).__name__}: {e} (traceback in "
+                              f"{store.error_path(stage.name)})", highlight=False, soft_wrap=True)
+                return 1
             console.print(f"{stage.name}: {rec['status']} in {rec['seconds']:.1f}s  {rec['message']}")
         if rec["status"] != "completed":
             console.print(f"[red]{stage.name}: {rec['status']}: {rec['message']}[/]")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,12 @@ class RunStore:
         p = self.stage_dir(stage) / "stage.json"
         return json.loads(p.read_text()) if p.exists() else None
 
+    def error_path(self, stage: str) -> Path:
+        """Where a failed attempt at `stage` left its error and traceback (removed when the stage completes)."""
+        return self.dir / f"{stage}.error.json"
+
     def last_error(self, stage: str) -> dict | None:
-        p = self.dir / f"{stage}.error.json"
+        p = self.error_path(stage)
         return json.loads(p.read_text()) if p.exists() else None
 
     def is_current(self, stage: str, digest: str) -> bool:
@@ -51,7 +56,7 @@ class RunStore:
     def run_stage(self, stage: str, digest: str, fn, **info) -> dict:
         """Run fn(out_dir) -> StageResult inside an atomic stage dir; return the stage.json written."""
         started = time.time()
-        err_path = self.dir / f"{stage}.error.json"
+        err_path = self.error_path(stage)
         try:
             with atomic_dir(self.stage_dir(stage)) as tmp:
                 result: StageResult = fn(tmp)
@@ -62,7 +67,8 @@ class RunStore:
                 write_json_atomic(tmp / "stage.json", rec)
         except BaseException as e:
             write_json_atomic(err_path, {"stage": stage, "error": f"{type(e).__name__}: {e}",
-                                         "inputs_digest": digest, "time": time.time()})
+                                         "traceback": traceback.format_exc(), "inputs_digest": digest,
+                                         "time": time.time()})
             raise
         err_path.unlink(missing_ok=True)
         return rec

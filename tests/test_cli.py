@@ -125,3 +125,19 @@ def test_bench_cli_writes_report(tmp_path):
     bf16 = float_dtype("auto", torch.device("cpu")) == torch.bfloat16  # validate's default precision
     assert report["dtype"] == ("bfloat16" if bf16 else "float32")
     assert (report["weight_bytes_per_token"] < 300e6) == bf16  # bf16 halves the weights
+
+
+def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, monkeypatch, capsys):
+    import pipeline.prepare
+    from pipeline.cli import main
+
+    def boom(ctx):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(pipeline.prepare, "run_prepare", boom)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--stage", "prepare", "--run-id", "r"]) == 1
+    err = capsys.readouterr().err
+    assert "prepare: failed: RuntimeError: disk on fire" in err and "Traceback" not in err
+    saved = json.loads((tmp_path / "runs/r/prepare.error.json").read_text())
+    assert "in boom" in saved["traceback"] and not (tmp_path / "runs/r/prepare").exists()

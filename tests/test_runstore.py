@@ -33,6 +33,7 @@ def test_exception_leaves_no_output_and_keeps_old(tmp_path):
         store.run_stage("prepare", "d2", boom)
     assert (store.stage_dir("prepare") / "data.txt").read_text() == "x"  # old output intact
     assert store.last_error("prepare")["error"].endswith("disk on fire")
+    assert "in boom" in store.last_error("prepare")["traceback"]
     assert not list(store.dir.glob(".tmp-*"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -137,13 +138,25 @@ class Linear(nn.Linear, Packable):
         return self.linear(x, self.bias)
 
 
+@lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack `dtype` weights on this CPU: its bf16 path needs AVX-512 (bw, vl, dq) or
+    AVX-NE-CONVERT, so e.g. an AVX2-only CPU keeps the plain kernel (probed once, as torch decides it)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def pack_for_cpu(model: nn.Module) -> nn.Module:
-    """Prepack every Packable's weight for oneDNN; a no-op off CPU or without oneDNN. Call it after the last
-    .to() and the last weight update: packed copies neither move nor follow the weights."""
-    if torch.backends.mkldnn.is_available():
-        for module in model.modules():
-            if isinstance(module, Packable) and module.weight.device.type == "cpu":
-                module.pack()
+    """Prepack every Packable's weight for oneDNN; a no-op off CPU or where oneDNN cannot pack its dtype. Call it
+    after the last .to() and the last weight update: packed copies neither move nor follow the weights."""
+    for module in model.modules():
+        if isinstance(module, Packable) and module.weight.device.type == "cpu" and onednn_packs(module.weight.dtype):
+            module.pack()
     return model
 
 

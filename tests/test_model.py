@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import Linear, ModelConfig, Taps, Transformer
+from runtime.model import Linear, ModelConfig, Taps, Transformer, onednn_packs
 from runtime.tree import DraftTree
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -185,6 +185,8 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
         bf16 = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16, max_seq_len=32)
         logits = bf16(ids, bf16.new_cache(), ids)[0]
     assert bf16.rope_cos.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
+    # bf16 weights are prepacked only where oneDNN can (AVX-512 or AVX-NE-CONVERT); elsewhere the plain kernel runs
+    assert {m.packed is not None for m in bf16.modules() if isinstance(m, Linear)} == {onednn_packs(torch.bfloat16)}
     assert (logits.float() - hf(ids).logits).abs().max() < 0.1
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from runtime.attention import attention_weights, pick_backend
 from runtime.kv_cache import KVCache
+from runtime.precision import cpu_info
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -103,7 +104,14 @@ class ForwardOutput:
     attention: dict[int, Tensor] = field(default_factory=dict)
 
 
-PACKED_MIN_FP32_ROWS = 4  # fewer fp32 rows run faster through MKL than prepacked (see Packable)
+def packed_min_fp32_rows(cpu_vendor: str) -> int:
+    """From how many rows an fp32 product runs prepacked. Fewer run faster through MKL on Intel CPUs (see
+    Packable); elsewhere MKL takes a generic path: on an AVX2 AMD EPYC a SmolLM2 decode step took 76 ms through
+    MKL and 52 ms prepacked (2 rows: 116 against 65), so there every product is prepacked."""
+    return 4 if cpu_vendor == "GenuineIntel" else 1
+
+
+PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_info("vendor_id"))
 
 
 class Packable:
@@ -113,9 +121,9 @@ class Packable:
     (decode). Prepacked once, oneDNN runs both at about the cost of streaming the weight once. The plain
     weight stays: training, export and embedding lookups read it, and non-CPU inputs fall back to it.
 
-    In fp32, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step: 42 ms against 48 prepacked; at 4
-    rows 68 against 55), so those take the plain path; in bf16 the prepacked kernel wins from one row on (an
-    unpacked bf16 product is slower than an fp32 one here)."""
+    In fp32 on Intel CPUs, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step on Sapphire Rapids: 42
+    ms against 48 prepacked; at 4 rows 68 against 55), so those take the plain path (PACKED_MIN_FP32_ROWS); in
+    bf16 the prepacked kernel wins from one row on (an unpacked bf16 product is slower than an fp32 one here)."""
 
     weight: Tensor
     packed: Tensor | None = None

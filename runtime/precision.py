@@ -16,18 +16,18 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset[str]:
+def cpu_info(field: str) -> str:
+    """The value of `field` (flags, vendor_id, ...) for the first CPU in /proc/cpuinfo; "" where unknown."""
     try:
-        line = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith(field))
     except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(line.split(":", 1)[1].split())
+        return ""
 
 
 def bf16_is_fast(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and "amx_bf16" in _cpu_flags()
+    return device.type == "cpu" and "amx_bf16" in cpu_info("flags").split()
 
 
 def float_dtype(precision: str, device: torch.device) -> torch.dtype:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import Linear, ModelConfig, Taps, Transformer, onednn_packs
+from runtime.model import Linear, ModelConfig, Taps, Transformer, onednn_packs, packed_min_fp32_rows
 from runtime.tree import DraftTree
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -204,10 +204,17 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
     torch.testing.assert_close(packed, model(ids, model.new_cache(), ids)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_fp32_products_are_prepacked_from_one_row_except_on_intel():
+    assert packed_min_fp32_rows("GenuineIntel") == 4  # MKL wins for 1..3 rows there
+    assert packed_min_fp32_rows("AuthenticAMD") == packed_min_fp32_rows("") == 1
+
+
 def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypatch):
-    """Decode-sized fp32 products run through MKL (faster there), verify-sized ones through the prepacked weight."""
+    """On Intel CPUs decode-sized fp32 products run through MKL (faster there), verify-sized ones through the
+    prepacked weight."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr("runtime.model.PACKED_MIN_FP32_ROWS", 4)
     linear = Linear(16, 8).requires_grad_(False)
     linear.pack()
     calls = []

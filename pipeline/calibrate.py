@@ -39,8 +39,8 @@ class CalibrateSettings:
     tau_new_tokens: int = 32
     budget_prompts: int = 4  # timed per draft budget candidate; held out from validate's prompts where val allows
     budget_new_tokens: int = 64
-    # the chosen budget's tau must clear validate.gate.min_tau by this fraction on these few prompts, so that it
-    # clears it on validate's prompts too
+    # the chosen budget's tau should clear validate.gate.min_tau by this fraction on these few prompts, so that it
+    # clears it on validate's prompts too (budget_calibration.choose_budget)
     budget_tau_margin: float = 0.1
 
 
@@ -151,10 +151,12 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     outputs |= kv_outputs
     metrics |= kv_metrics
     message += kv_message + "; "
+    gate = ctx.cfg.validate.gate
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
         ctx.out, timed, lambda: runtime_drafter(kind, timed_model, timed), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens, kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
-        generation_stop_ids(ctx.target_dir), min_tau=ctx.cfg.validate.gate.min_tau * (1 + s.budget_tau_margin))
+        generation_stop_ids(ctx.target_dir), min_tau=gate.min_tau, min_speedup=gate.min_speedup,
+        tau_margin=s.budget_tau_margin)
     outputs |= budget_outputs
     metrics |= budget_metrics
     message += budget_message + "; "

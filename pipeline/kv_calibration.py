@@ -20,6 +20,7 @@ import torch
 from pipeline.distill import measure_tau
 from pipeline.specattn_calibration import next_token_nll, perplexity
 from runtime.bundle import KV_QUANT, NO_KV_QUANT
+from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
 from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
@@ -46,7 +47,7 @@ def decode_ms(target: Transformer, quants: dict[str, KVQuant | None], context: i
     """Median milliseconds of a one-token decode forward after `context` cached tokens, per named cache storage
     (None: full precision). Rounds interleave the storages, so machine noise falls on each alike."""
     c, device = target.config, target.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     ids = torch.randint(0, c.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0)).to(device)
     position = torch.tensor([[context]], device=device)
     caches = {}

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
 from runtime.engine import Engine, EngineConfig, Generation
 from runtime.model import Transformer
@@ -45,7 +46,7 @@ def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5, device: str = "cp
     faults; on CUDA the copy is synchronised on both sides, since it runs asynchronously)."""
     src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    sync = synchronizer(src.device)
     best = float("inf")
     for _ in range(repeats):
         sync()

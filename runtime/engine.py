@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
+from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
 from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as
@@ -206,7 +207,7 @@ class _Clock:
     """Wall-clock laps; waits for the device so a lap is charged to the phase that queued the work."""
 
     def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.sync = synchronizer(device)
         self.start = self.last = time.perf_counter()
 
     def lap(self) -> float:

@@ -69,12 +69,16 @@ def decode_ms(target: Transformer, quants: dict[str, KVQuant | None], context: i
     return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
 
 
+def accurate(candidates: list[dict], tau_tolerance: float, ppl_tolerance: float) -> list[dict]:
+    """The candidates within both accuracy tolerances (tau drop, perplexity change)."""
+    return [c for c in candidates if c["tau_drop"] <= tau_tolerance and c["ppl_change"] <= ppl_tolerance]
+
+
 def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance: float,
                      max_slowdown: float) -> str:
     """The scheme whose target reads are smallest among those within both accuracy tolerances and decoding at
     most `max_slowdown` slower than a full-precision cache; NO_KV_QUANT if none."""
-    ok = [c for c in candidates if c["tau_drop"] <= tau_tolerance and c["ppl_change"] <= ppl_tolerance
-          and c["slowdown"] <= max_slowdown]
+    ok = [c for c in accurate(candidates, tau_tolerance, ppl_tolerance) if c["slowdown"] <= max_slowdown]
     return min(ok, key=lambda c: (c["target_bits"], c["draft_bits"]))["scheme"] if ok else NO_KV_QUANT
 
 
@@ -114,9 +118,9 @@ def kv_message(candidates: list[dict], chosen: str, tau_tolerance: float, ppl_to
     if best:
         return (f"KV {chosen}: {best['target_bits']:.1f} bits/value, perplexity {best['ppl_change']:+.2%}, "
                 f"tau {best['tau']:.2f}, decode {best['slowdown']:+.0%}")
-    accurate = [c for c in candidates if c["tau_drop"] <= tau_tolerance and c["ppl_change"] <= ppl_tolerance]
-    if accurate:  # say what compression would have cost: the user may prefer memory over speed
-        slow = ", ".join(f"{c['scheme']} {c['slowdown']:+.0%}" for c in accurate)
+    too_slow = accurate(candidates, tau_tolerance, ppl_tolerance)  # no accurate scheme was chosen: all too slow
+    if too_slow:  # say what compression would have cost: the user may prefer memory over speed
+        slow = ", ".join(f"{c['scheme']} {c['slowdown']:+.0%}" for c in too_slow)
         return (f"KV: full precision (within the accuracy tolerances but decoding slower here: {slow}; "
                 f"calibrate.kv_max_slowdown={max_slowdown:g})")
     return "KV: no scheme within tolerance, cache stays full precision"

@@ -34,6 +34,7 @@ def cmd_run(args) -> int:
     # A full run starts a new run id; a single stage continues the newest run unless told which.
     store = _run_store(cfg, args.run_id, create=args.stage is None)
     stages = [get_stage(args.stage)] if args.stage else list(STAGES)
+    check_ready(stages[0], store)  # before the run directory exists: a typo'd --run-id leaves nothing behind
     store.dir.mkdir(parents=True, exist_ok=True)
     (store.dir / "config.yaml").write_text(dump_config(cfg))
     console.print(f"run [bold]{store.run_id}[/] in {store.dir}")
@@ -112,9 +113,31 @@ def cmd_serve(args) -> int:
     return serve(load_config(args.config, args.overrides), args.port, args.host, args.alias)
 
 
-def cmd_bench(args) -> int:
+def _bench_prompts(path: Path) -> list[str]:
+    """--prompts: one prompt per line, or JSONL lines with a string 'prompt' field."""
     import json
 
+    expected = "one prompt per line, or JSONL with a string 'prompt' field"
+    if not path.is_file():
+        raise DraftsmithError(f"--prompts {path}: no such file ({expected})")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                line = json.loads(line)["prompt"]
+            except (ValueError, KeyError, TypeError):
+                line = None
+            if not isinstance(line, str):
+                raise DraftsmithError(f"--prompts {path}:{n}: a JSON line without a string 'prompt' ({expected})")
+        prompts.append(line)
+    if not prompts:
+        raise DraftsmithError(f"--prompts {path}: no prompts ({expected})")
+    return prompts
+
+
+def cmd_bench(args) -> int:
     import torch
 
     from pipeline.home import write_json_atomic
@@ -131,20 +154,14 @@ def cmd_bench(args) -> int:
         write_json_atomic(Path(args.out), bench_from_args(args))
         console.print(f"wrote {args.out}")
         return 0
-    prompts = default_bench_prompts()
-    if args.prompts:
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise DraftsmithError(f"--prompts {path}: no such file (one prompt per line, or JSONL with 'prompt')")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        prompts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    prompts = _bench_prompts(Path(args.prompts)) if args.prompts else default_bench_prompts()
+    if args.drafter not in (None, "ngram") and not Path(args.drafter).is_dir():  # before the target loads
+        raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
     target_dir = resolve_target(args.target)
     factory = ngram_drafter_factory
     budget = DraftBudget(depth=args.depth, width=args.width, nodes=args.nodes)
     fields = {"budget": budget}
     if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
-        if not Path(args.drafter).is_dir():
-            raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
         fields = bundle.engine_settings(budget)  # as serving runs it: calibrated budget and KV scheme

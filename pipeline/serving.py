@@ -16,6 +16,7 @@ import mlflow.pyfunc
 import pandas as pd
 
 from pipeline.config import Config
+from pipeline.errors import DraftsmithError
 from pipeline.tracking import tracking_uri
 
 def pyfunc_signature():
@@ -92,13 +93,28 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
 
 def serve_invocation(cfg: Config, port: int, host: str = "127.0.0.1",
                      alias: str = "champion") -> tuple[list[str], dict[str, str]]:
-    """The `mlflow models serve` command line and environment that serve models:/NAME@alias."""
+    """The `mlflow models serve` command line and environment that serve models:/NAME@alias (which must exist:
+    checked here, so a missing one is a one-line error rather than the scoring server's traceback)."""
     uri = tracking_uri(cfg)
+    _check_alias(cfg, alias, uri)
     argv = [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{cfg.register.model_name}@{alias}",
             "--host", host, "--port", str(port), "--env-manager", "local"]
     # mlflow execs `uvicorn` by name: find it beside this interpreter even when the venv is not activated.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return argv, {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri}
+
+
+def _check_alias(cfg: Config, alias: str, uri: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.registry import registry_client
+
+    name = cfg.register.model_name
+    try:
+        registry_client(cfg).get_model_version_by_alias(name, alias)
+    except MlflowException:
+        raise DraftsmithError(f"models:/{name}@{alias}: no such model version in the registry at {uri} (register "
+                              f"a validated run, then promote it or pass --alias)") from None
 
 
 def serve(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "champion") -> int:

@@ -1,11 +1,13 @@
 """The `pipeline` CLI end to end on the real embedded target (prepare only; later stages are other issues)."""
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from pipeline.errors import DraftsmithError
 from runtime.precision import float_dtype
 
 
@@ -46,6 +48,8 @@ def test_prepare_skip_force_and_missing_stage(tmp_path, tiny_data):
     missing = pipeline("run", "--stage", "calibrate", "--run-id", "r1", cwd=tmp_path)
     assert missing.returncode == 2 and "needs the output of distill" in missing.stderr
     assert "Traceback" not in missing.stderr
+    typo = pipeline("run", "--stage", "distill", "--run-id", "r2", cwd=tmp_path)
+    assert typo.returncode == 2 and not (tmp_path / "runs/r2").exists()  # no half-made run from a typo
     quick = ["drafter.kind=ngram", "validate.num_prompts=2", "validate.max_new_tokens=12", "export.onnx=false"]
     failing = pipeline("run", "--run-id", "r1", *args, *quick, "validate.gate.min_tau=50", cwd=tmp_path)
     assert failing.returncode == 3 and "gate_failed" in failing.stderr  # the gate said no: nothing registered
@@ -125,6 +129,21 @@ def test_bench_cli_writes_report(tmp_path):
     bf16 = float_dtype("auto", torch.device("cpu")) == torch.bfloat16  # validate's default precision
     assert report["dtype"] == ("bfloat16" if bf16 else "float32")
     assert (report["weight_bytes_per_token"] < 300e6) == bf16  # bf16 halves the weights
+
+
+def test_bench_prompts_file_lines_and_its_errors(tmp_path):
+    from pipeline.cli import _bench_prompts
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('Say hi.\n\n{"prompt": "Count to 3."}\n')
+    assert _bench_prompts(good) == ["Say hi.", "Count to 3."]
+    for name, text, why in [("nofield.jsonl", 'ok\n{"x": 1}\n', ":2: a JSON line without a string 'prompt'"),
+                            ("broken.jsonl", '{"prompt": \n', ":1: a JSON line"),
+                            ("number.jsonl", '{"prompt": 3}\n', ":1: a JSON line"),
+                            ("empty.txt", "\n  \n", ": no prompts")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DraftsmithError, match=re.escape(f"{tmp_path / name}{why}")):
+            _bench_prompts(tmp_path / name)
 
 
 def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ import torch
 from mlflow_server import free_port, run_stage, stop, validated_run, wait_healthy
 
 from pipeline.config import load_config
+from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
 from pipeline.serving import serve_invocation
 from pipeline.sources import target_fingerprint
@@ -126,3 +127,9 @@ def test_serve_champion_over_http(tmp_path, smollm2_dir):
         stop(proc)
     expected = plain_greedy(smollm2_dir, prompts, 16, float_dtype(cfg.validate.precision, torch.device("cpu")))
     assert predictions == expected and all(p.strip() for p in predictions)
+
+
+def test_serve_refuses_an_alias_the_registry_lacks(tmp_path):
+    cfg = registry_cfg(tmp_path, "smollm2-135m-instruct")
+    with pytest.raises(DraftsmithError, match="models:/draftsmith-drafter@champion: no such model version"):
+        serve_invocation(cfg, free_port())

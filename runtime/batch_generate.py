@@ -1,9 +1,10 @@
 """Continuous-batching generation, for throughput work such as regenerating a dataset with the target.
 
 `batch_size` rows of one static KV cache decode together; a finished row is refilled with the next request at
-once (prefilled alone through `KVCache.row`), so one long answer never holds the batch back. On 2 CPU cores 16
-rows decode about 8x the tokens/s of one. With `keep_hidden` every completion carries the target's final hidden
-state at every position of prompt + answer: the features drafters train on, at no extra target forwards.
+once (prefilled alone through `KVCache.row`), so one long answer never holds the batch back; once no request waits,
+the busy rows are packed together and a step decodes only them. On 2 CPU cores 16 rows decode about 8x the tokens/s
+of one. With `keep_hidden` every completion carries the target's final hidden state at every position of prompt +
+answer: the features drafters train on, at no extra target forwards.
 """
 from __future__ import annotations
 
@@ -82,19 +83,15 @@ class BatchGenerator:
                 if row.flushing and not self.keep_hidden:
                     done.append(self._finish(b, row))
                     row = None
-        active = [b for b, r in enumerate(self.rows) if r is not None]
-        if not active:
+        n = self._pack()
+        if n == 0:
             return done
-        cache, device = self.cache, self.target.device
-        tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
-        for b in active:
-            tokens[b, 0] = self.rows[b].tokens[-1]
+        cache = self.cache.rows_view(0, n)
+        tokens = torch.tensor([[row.tokens[-1]] for row in self.rows[:n]], device=self.target.device)
         logits, hidden = self.target(tokens, cache, cache.lengths[:, None].clone())
         cache.advance(1)
-        idle = torch.tensor([r is None for r in self.rows], device=device)
-        cache.lengths.masked_fill_(idle, 0)  # idle rows decode a dummy token at slot 0 and keep nothing
         next_tokens = self._pick(logits[:, 0]).tolist()
-        for b in active:
+        for b in range(n):
             row = self.rows[b]
             if self.keep_hidden:
                 row.hidden.append(hidden[b])
@@ -105,6 +102,18 @@ class BatchGenerator:
             if row.flushing and not self.keep_hidden:
                 done.append(self._finish(b, row))
         return done
+
+    def _pack(self) -> int:
+        """Move busy rows down into idle ones so that rows 0..n-1 are the busy ones; return n. A decode step then
+        computes only those: once the queue runs dry the last answers finish in a shrinking batch rather than
+        beside idle rows decoding dummies (a 32-row step costs 2x a 4-row one on 2 CPU cores)."""
+        busy = [b for b, r in enumerate(self.rows) if r is not None]
+        for dst, src in zip(range(len(busy)), busy):
+            if dst != src:
+                self.cache.move_row(src, dst)
+                self.rows[dst], self.rows[src] = self.rows[src], None
+                self.cache.lengths[src] = 0
+        return len(busy)
 
     def _prefill(self, b: int, request: Request) -> _Row:
         view = self.cache.row(b)

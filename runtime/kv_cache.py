@@ -32,10 +32,23 @@ class KVCache:
     def row(self, b: int) -> "KVCache":
         """Sequence b as a batch-1 cache over the same storage: continuous batching prefills one row while the
         others keep their state."""
+        return self.rows_view(b, b + 1)
+
+    def rows_view(self, start: int, stop: int) -> "KVCache":
+        """Sequences start..stop-1 as a cache over the same storage (writes, advances and resets land here)."""
+        if not 0 <= start < stop <= self.batch:
+            raise ValueError(f"KVCache: rows {start}..{stop - 1} outside the batch of {self.batch}")
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, b:b + 1], self.v[:, b:b + 1]
-        view.lengths, view.rows = self.lengths[b:b + 1], self.rows[:1]
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths, view.rows = self.lengths[start:stop], self.rows[:stop - start]
         return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Sequence src's committed slots and length to row dst (src keeps its copy until overwritten)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
 
     def reset(self) -> None:
         self.lengths.zero_()

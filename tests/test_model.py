@@ -157,6 +157,19 @@ def test_kv_cache_compact_moves_slots_in_place():
     assert cache.lengths.tolist() == [5, 7]  # a refused advance changes nothing
 
 
+def test_kv_cache_rows_view_shares_storage_and_move_row_copies_a_sequence():
+    cache = KVCache(n_layers=2, batch=3, n_kv_heads=1, max_len=6, head_dim=1)
+    cache.lengths[:] = torch.tensor([1, 2, 4])
+    cache.k[:, 2, 0, :, 0] = torch.arange(6.0)
+    cache.move_row(2, 0)
+    assert cache.lengths.tolist() == [4, 2, 4] and cache.k[1, 0, 0, :4, 0].tolist() == [0, 1, 2, 3]
+    view = cache.rows_view(0, 2)
+    view.advance(1)  # lands in the parent
+    assert cache.lengths.tolist() == [5, 3, 4] and view.batch == 2
+    with pytest.raises(ValueError, match="rows 2..3 outside the batch of 3"):
+        cache.rows_view(2, 4)
+
+
 def test_prompt_longer_than_cache_is_a_clear_error(tiny_llama_dir):
     model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=16)
     cache = model.new_cache(max_len=8)

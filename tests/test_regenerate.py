@@ -45,6 +45,31 @@ def test_batch_generator_equals_one_at_a_time_decoding(target):
         torch.testing.assert_close(c.hidden, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_batch_generator_decodes_only_its_busy_rows(target):
+    """Once the queue is dry, finished rows are packed away: every step feeds exactly the answers still going, and
+    the moved rows keep their history (same tokens as decoding each prompt alone)."""
+    g = torch.Generator().manual_seed(3)
+    budgets = [2, 9, 4, 13, 6]
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 3, 11, 7, 4)]
+    gen = BatchGenerator(target, batch_size=4, max_len=64)
+    fed = []
+    hook = target.register_forward_pre_hook(lambda _, args: fed.append(args[0].shape))
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        gen.submit(Request(i, p, n))
+    done = {}
+    try:
+        while gen.busy:
+            done.update({c.key: c for c in gen.step()})
+    finally:
+        hook.remove()
+    decode_rows = [b for b, t in fed if t == 1]  # prefills feed whole prompts (none is one token long)
+    assert sum(decode_rows) == sum(budgets) - len(budgets)  # the prefill gives each answer's first token
+    assert max(decode_rows) == 4 and decode_rows[-1] == 1  # the longest answer ends alone
+    engine = Engine(target, None, EngineConfig(max_seq_len=64))
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert done[i].tokens == engine.generate(p, n, SamplingParams()).tokens
+
+
 def test_batch_generator_refuses_a_request_that_does_not_fit(target):
     gen = BatchGenerator(target, 2, max_len=16)
     with pytest.raises(ValueError, match="exceed the cache length 16"):

@@ -119,3 +119,17 @@ def test_gradient_flows_only_from_masked_positions(logits):
     kl_divergence(target, draft, mask).backward()
     assert draft.grad[~mask].abs().max() == 0
     assert draft.grad[mask].abs().max() > 0
+
+
+@pytest.mark.parametrize("loss", [kl_divergence, total_variation, soft_cross_entropy])
+def test_an_all_true_mask_gives_the_value_and_gradient_of_the_selected_rows(logits, loss):
+    """Rows already selected (eagle_loss) skip the boolean index; the result must equal indexing them."""
+    target, draft, mask = logits
+    rows_t, rows_d = target[mask], draft[mask].clone().requires_grad_(True)
+    padded_d = draft.clone().requires_grad_(True)
+    selected = loss(rows_t, rows_d, torch.ones(len(rows_t), dtype=torch.bool))
+    indexed = loss(target, padded_d, mask)
+    selected.backward()
+    indexed.backward()
+    torch.testing.assert_close(selected, indexed)
+    torch.testing.assert_close(rows_d.grad, padded_d.grad[mask])

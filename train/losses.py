@@ -29,6 +29,8 @@ def _masked_rows(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> t
         raise ValueError(f"target logits {tuple(target_logits.shape)} and draft logits "
                          f"{tuple(draft_logits.shape)} must have the same shape")
     _check(mask, target_logits.shape[:-1], "distillation loss")
+    if bool(mask.all()):  # rows the caller already selected (eagle_loss): a boolean index would only copy them
+        return target_logits.flatten(0, -2).float(), draft_logits.flatten(0, -2).float()
     return target_logits[mask].float(), draft_logits[mask].float()
 
 

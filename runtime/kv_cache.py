@@ -44,11 +44,11 @@ class KVCache:
         return view
 
     def move_row(self, src: int, dst: int) -> None:
-        """Sequence src's committed slots and length to row dst (src keeps its copy until overwritten)."""
+        """Sequence src's committed slots and length to row dst; row src is left empty."""
         n = int(self.lengths[src])
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst] = n
+        self.lengths[dst], self.lengths[src] = n, 0
 
     def reset(self) -> None:
         self.lengths.zero_()

@@ -162,10 +162,10 @@ def test_kv_cache_rows_view_shares_storage_and_move_row_copies_a_sequence():
     cache.lengths[:] = torch.tensor([1, 2, 4])
     cache.k[:, 2, 0, :, 0] = torch.arange(6.0)
     cache.move_row(2, 0)
-    assert cache.lengths.tolist() == [4, 2, 4] and cache.k[1, 0, 0, :4, 0].tolist() == [0, 1, 2, 3]
+    assert cache.lengths.tolist() == [4, 2, 0] and cache.k[1, 0, 0, :4, 0].tolist() == [0, 1, 2, 3]
     view = cache.rows_view(0, 2)
     view.advance(1)  # lands in the parent
-    assert cache.lengths.tolist() == [5, 3, 4] and view.batch == 2
+    assert cache.lengths.tolist() == [5, 3, 0] and view.batch == 2
     with pytest.raises(ValueError, match="rows 2..3 outside the batch of 3"):
         cache.rows_view(2, 4)
 

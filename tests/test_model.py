@@ -157,7 +157,7 @@ def test_kv_cache_compact_moves_slots_in_place():
     assert cache.lengths.tolist() == [5, 7]  # a refused advance changes nothing
 
 
-def test_kv_cache_rows_view_shares_storage_and_move_row_copies_a_sequence():
+def test_kv_cache_rows_view_shares_storage_and_move_row_moves_a_sequence():
     cache = KVCache(n_layers=2, batch=3, n_kv_heads=1, max_len=6, head_dim=1)
     cache.lengths[:] = torch.tensor([1, 2, 4])
     cache.k[:, 2, 0, :, 0] = torch.arange(6.0)

@@ -10,15 +10,21 @@ whole static KV cache [max_len] with a mask (key slot <= position) instead of sl
 length. The arithmetic over visible keys is the same; masked keys get weight exactly 0. Same modules, same
 weights, same KV cache class (runtime/kv_cache.py): the prefill runs through the ordinary `Transformer.forward`.
 
-Scope: greedy decoding, batch 1, no sliding window, no SpecAttn / quantised KV. Speculative verification through
-graphs (tree sizes bucketed to static shapes) is not here yet. CUDA only; importing this module needs no GPU.
+Scope: greedy decoding, batch 1, no sliding window, no SpecAttn / quantised KV. CUDA only; importing this module
+needs no GPU.
+
+`StaticVerifier` does the same for the Engine's verify forward (root + draft tree), any sampling: tree sizes are
+bucketed to static shapes, one graph per bucket.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from runtime.model import Transformer, apply_rope
+from runtime.kv_cache import KVCache
+from runtime.model import Transformer, apply_rope, attention_mask
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
 
 
 class GraphedGreedyDecoder:
@@ -115,3 +121,87 @@ class GraphedGreedyDecoder:
         stop = set(stop_ids)
         first_stop = next((i for i, t in enumerate(tokens) if t in stop), None)
         return tokens if first_stop is None else tokens[:first_stop + 1]
+
+
+class _Bucket:
+    """Static inputs of one verify size, and the outputs its graph (or eager step) last wrote."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.tokens = torch.zeros(1, size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, size, dtype=torch.long, device=device)
+        self.padded = torch.eye(size, dtype=torch.bool, device=device)  # padding rows see the prefix and themselves
+        self.causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+        self.tree = self.padded.clone()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+
+class StaticVerifier:
+    """The Engine's target forward of one decode or verify step -- tokens, positions [1, T] and the tree mask
+    [T, T] (None: T == 1) -- at static shapes: padded to the smallest bucket >= T, KV written at the cache's
+    length + 0..bucket-1, attention over the whole static cache with a mask (`attention_mask` with
+    n_live = max_len). On a CUDA target each bucket's step is captured in a CUDA graph on first use and replayed.
+
+    Padding rows see the committed prefix and themselves, and no real row sees them, so the real rows' outputs
+    and KV are those of the unpadded forward. Their KV lands in slots after the real tokens, which the Engine never
+    commits (it compacts the accepted rows) and every later forward overwrites before it reads them. Sizes beyond
+    the largest bucket, or a bucket that would overrun the cache, run the ordinary eager forward.
+
+    The outputs are views of static buffers, valid until the next call; the Engine reads them within its step.
+    Off CUDA (`use_graph=False`) the same static step runs eagerly: that is what the CPU tests check."""
+
+    def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS,
+                 use_graph: bool = True, warmup: int = 2):
+        if use_graph and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, got device {model.device}")
+        if cache.batch != 1 or type(cache) is not KVCache:
+            raise ValueError("StaticVerifier needs a batch-1, full-precision KVCache")
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"StaticVerifier: buckets={buckets}, expected sizes >= 1")
+        self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
+        self.buckets = {size: _Bucket(size, model.device) for size in sorted(set(buckets))}
+        self.offsets = torch.arange(max(buckets), device=model.device)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        T = tokens.shape[1]
+        size = next((b for b in self.buckets if b >= T), None)
+        if size is None or int(self.cache.lengths[0]) + size > self.cache.max_len:
+            return self.model(tokens, self.cache, positions, tree_mask)
+        b = self.buckets[size]
+        b.tokens[:, :T] = tokens
+        b.positions[:, :T] = positions
+        b.positions[:, T:] = positions[:, :1]  # any valid position: padding rows are never read
+        b.tree.copy_(b.padded)
+        b.tree[:T, :T] = b.causal[:T, :T] if tree_mask is None else tree_mask
+        if not self.use_graph:
+            b.logits, b.hidden = self._step(b)
+        elif b.graph is None:
+            self._capture(b)
+        else:
+            b.graph.replay()
+        return b.logits[:, :T], b.hidden[:, :T]
+
+    def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        m, cache, size = self.model, self.cache, b.tokens.shape[1]
+        slots = cache.lengths[:, None] + self.offsets[:size]
+        mask = attention_mask(cache.lengths, b.positions, cache.max_len, b.tree, m.config.sliding_window,
+                              always=True)
+        out = m.run_placed(b.tokens, cache, b.positions, slots, cache.max_len, mask)
+        return out.logits, out.hidden
+
+    def _capture(self, b: _Bucket) -> None:
+        """Warm up off the capture stream (lazy inits, cuBLAS workspaces), then capture; capturing runs nothing,
+        so the step is replayed once for this call's outputs. The warm-up's KV writes go to the same slots the
+        replay writes."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self._step(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        b.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.graph):  # a pool of its own: buckets replay in any order
+            b.logits, b.hidden = self._step(b)
+        b.graph.replay()

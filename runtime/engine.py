@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
+from runtime.cuda_graphs import StaticVerifier
 from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
 from runtime.model import Transformer
@@ -38,6 +39,9 @@ class EngineConfig:
     sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
     kv_scheme: str | None = None  # quantised KV history (runtime.quant_kv_cache): int8 | int4 | hier-int4
     kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
+    # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.cuda_graphs.StaticVerifier;
+    # off CUDA the static step runs eagerly, reading the whole cache: for tests). Dense, full-precision KV only.
+    static_verify: bool = False
 
     def __post_init__(self):
         if not isinstance(self.budget, DraftBudget):
@@ -55,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
         if self.kv_scheme is not None:
             KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
+        if self.static_verify and (self.sparse is not None or self.kv_scheme is not None):
+            raise ValueError("EngineConfig: static_verify needs dense verification and a full-precision KV cache "
+                             f"(got sparse={self.sparse is not None}, kv_scheme={self.kv_scheme!r})")
 
     @property
     def kv_quant(self) -> KVQuant | None:
@@ -109,6 +116,8 @@ class Engine:
             drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
         if drafter is not None:
             drafter.track_attention = cfg.sparse is not None
+        self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda") \
+            if cfg.static_verify else None
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
@@ -147,8 +156,11 @@ class Engine:
             tokens = torch.cat([torch.tensor([root], device=device), tree.tokens])[None]
             positions = length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths()])[None]
             keep = self._sparse_keep(tokens.shape[1]) if cfg.sparse is not None and len(tree) else None
-            logits, hidden = target(tokens, cache, positions, tree.ancestor_mask() if len(tree) else None,
-                                    kv_keep=keep)
+            tree_mask = tree.ancestor_mask() if len(tree) else None
+            if self.static is not None:
+                logits, hidden = self.static(tokens, positions, tree_mask)
+            else:
+                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=keep)
             stats.count_reads(keep, int(length) + tokens.shape[1], target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             stats.verify_s += clock.lap()

@@ -8,6 +8,7 @@ prompts:
   ours_ar         our Engine without a drafter (eager PyTorch)
   ours_ar_graph   our greedy decode with the one-token step captured in a CUDA graph (runtime.cuda_graphs)
   ours_spec       our Engine with `ReplayDrafter`: a chain drafter replaying a configured acceptance pattern
+  ours_spec_graph the same with each verify size captured in a CUDA graph (EngineConfig.static_verify)
 Random weights make the speed numbers valid (the arithmetic and bytes moved do not depend on the values) but
 say nothing about real acceptance: ReplayDrafter knows the target's greedy continuation (from a prior run of
 ours_ar) and proposes, per chain position, the right token with probability `accept_rate` until the first wrong
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -148,6 +150,9 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
         methods["ours_ar_graph"] = lambda ids, gen: (decoder.generate(ids, max_new_tokens), None)
     drafter = ReplayDrafter(vocab, references, accept_rate, seed)
     methods["ours_spec"] = ours_method(Engine(ours, drafter, cfg))
+    if graphs and torch.device(device).type == "cuda":  # graphs captured on first use: the warm-up generation
+        graphed = Engine(ours, ReplayDrafter(vocab, references, accept_rate, seed), replace(cfg, static_verify=True))
+        methods["ours_spec_graph"] = ours_method(graphed)
 
     outputs: dict[str, list[list[int]]] = {}
     on_gpu = torch.device(device).type == "cuda"
@@ -187,7 +192,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--n-prompts", type=int, default=5, help="random prompts (16..64 tokens)")
     ap.add_argument("--accept-rate", type=float, default=0.8,
                     help="replay drafter: probability each chain position proposes the right token")
-    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph AR row")
+    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph rows")
 
 
 def bench_from_args(args) -> dict:

@@ -210,12 +210,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention_mask(lengths: Tensor, positions: Tensor, n_live: int, tree_mask: Tensor | None,
-                   window: int | None = None) -> Tensor | None:
+                   window: int | None = None, always: bool = False) -> Tensor | None:
     """[B, 1, T, n_live] bool: the committed prefix (slots < lengths[b]), plus the new tokens `tree_mask` [T, T]
     allows (causal when None), minus keys a sliding `window` excludes. None when one decode token may see every
-    live key (no mask to build or apply)."""
+    live key (no mask to build or apply), unless `always` (static shapes read keys beyond the live ones)."""
     B, T = positions.shape
-    if B == 1 and T == 1 and (window is None or n_live <= window):
+    if B == 1 and T == 1 and (window is None or n_live <= window) and not always:
         return None
     device = positions.device
     if tree_mask is None:

@@ -3,10 +3,11 @@ graphs capture (run eagerly here), both checked token for token against our engi
 import pytest
 import torch
 
-from runtime.cuda_graphs import GraphedGreedyDecoder
+from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier
 from runtime.engine import Engine, EngineConfig
-from runtime.gpu_bench import random_models, random_prompts, run_random_bench
+from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
 from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,61 @@ def test_static_decode_step_equals_the_engine(smollm2_shape):
 def test_graphs_need_a_cuda_model(smollm2_shape):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         GraphedGreedyDecoder(smollm2_shape, max_len=64)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        StaticVerifier(smollm2_shape, smollm2_shape.new_cache(1, 64))
+
+
+def _prefilled(model, prompt, max_len):
+    cache = model.new_cache(1, max_len)
+    model(torch.tensor([prompt]), cache, torch.arange(len(prompt))[None])
+    cache.advance(len(prompt))
+    return cache
+
+
+@pytest.mark.parametrize("buckets, prompt_len", [((1, 2, 4, 8), 20),  # padded 6 -> 8
+                                                 ((1, 2, 4, 8), 58),  # 58 + 8 > 64: eager
+                                                 ((1, 2, 4), 20)])  # no bucket holds 6: eager
+def test_static_verify_step_equals_the_eager_forward(smollm2_shape, buckets, prompt_len):
+    """A padded, whole-cache verify of a branching tree gives the real rows the eager forward's logits, features
+    and KV; where no bucket fits, it is the eager forward."""
+    model, max_len = smollm2_shape, 64
+    prompt = random_prompts(model.config.vocab_size, 1, seed=5, lengths=(prompt_len, prompt_len))[0]
+    tree = DraftTree(torch.tensor([11, 12, 13, 14, 15]), torch.tensor([-1, -1, 0, 1, 2]))
+    tokens = torch.cat([torch.tensor([7]), tree.tokens])[None]
+    positions = prompt_len + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
+    with torch.inference_mode():
+        eager_cache, static_cache = _prefilled(model, prompt, max_len), _prefilled(model, prompt, max_len)
+        logits, hidden = model(tokens, eager_cache, positions, tree.ancestor_mask())
+        verifier = StaticVerifier(model, static_cache, buckets, use_graph=False)
+        s_logits, s_hidden = verifier(tokens, positions, tree.ancestor_mask())
+    assert s_logits.shape == logits.shape and s_hidden.shape == hidden.shape
+    torch.testing.assert_close(s_logits, logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_hidden, hidden, atol=1e-4, rtol=1e-4)
+    live = prompt_len + tokens.shape[1]
+    torch.testing.assert_close(static_cache.k[:, :, :, :live], eager_cache.k[:, :, :, :live])
+    torch.testing.assert_close(static_cache.v[:, :, :, :live], eager_cache.v[:, :, :, :live])
+    assert int(static_cache.lengths[0]) == prompt_len  # a verify writes but does not commit
+
+
+def test_engine_with_static_verify_is_lossless(smollm2_shape):
+    """Speculation through the static verify step: the plain decode's tokens, and the eager verify's acceptance."""
+    model, n = smollm2_shape, 14
+    prompts = random_prompts(model.config.vocab_size, 2, seed=7)
+    cfg = EngineConfig(max_seq_len=128, adaptive=False)
+    plain = Engine(model, None, cfg)
+    references = {tuple(p): p + plain.generate(p, n + 8, SamplingParams()).tokens for p in prompts}
+    static, eager = (Engine(model, ReplayDrafter(model.config.vocab_size, references, 0.7, seed=1),
+                            EngineConfig(max_seq_len=128, adaptive=False, static_verify=flag)) for flag in (True, False))
+    for p in prompts:
+        expected = references[tuple(p)][len(p):len(p) + n]
+        got, ref = static.generate(p, n, SamplingParams()), eager.generate(p, n, SamplingParams())
+        assert got.tokens == ref.tokens == expected
+        assert got.metrics.tau == ref.metrics.tau > 1.0
+
+
+def test_static_verify_needs_a_dense_full_precision_cache():
+    with pytest.raises(ValueError, match="static_verify needs dense verification"):
+        EngineConfig(static_verify=True, kv_scheme="int8")
 
 
 @pytest.mark.slow

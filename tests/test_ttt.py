@@ -55,31 +55,3 @@ def test_training_through_the_unroll_raises_deep_acceptance(target, tmp_path):
     with torch.no_grad():
         _, m = eagle_loss(target, noise=0.0)(model, data.batch_at(0))
     assert abs(after["sim_accept_d1"] - m["top1_d1"]) < 0.02
-
-
-def test_eagle_loss_equals_its_per_depth_definition(target):
-    """The goal logits are computed once for every depth; the loss and metrics must equal computing them per depth."""
-    from train.batches import Batches
-    from train.losses import feature_regression, soft_cross_entropy
-    from train.recipes import target_features
-
-    torch.manual_seed(0)
-    batch = Batches(self_distilled_rows(target, rows=8, prompt_vocab=96, new_tokens=24, max_seq_len=128), 8,
-                    seed=0).batch_at(0)
-    batch["loss_mask"] = torch.rand(batch["input_ids"].shape) < 0.7  # holes anywhere, the first positions included
-    model = recipes.build_eagle(target, torch.arange(96), from_target=False)
-    t = target_features(target, batch)
-    with torch.no_grad():
-        loss, metrics = eagle_loss(target, noise=0.0, depth=3)(model, batch)
-        ids, f, T = batch["input_ids"], t.features, batch["input_ids"].shape[1]
-        expected = 0.0
-        for d, pred in enumerate(unroll(model, ids, f[:, :-1], 3), start=1):
-            m = t.mask[:, d + 1:T]
-            pred, goal = pred[:, :T - d - 1][m], f[:, d:T - 1][m]
-            every = torch.ones(len(pred), dtype=torch.bool)
-            logits, goal_logits = model.head(pred), model.head(goal)
-            expected += 0.7 ** (d - 1) * (feature_regression(pred, goal, every)
-                                          + 0.1 * soft_cross_entropy(goal_logits, logits, every))
-            top1 = (logits.argmax(-1) == goal_logits.argmax(-1)).float().mean().item()
-            assert metrics[f"top1_d{d}"] == pytest.approx(top1)
-    torch.testing.assert_close(loss, expected)

@@ -57,20 +57,14 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
         ids, f = batch["input_ids"], t.features
         T = ids.shape[1]
         inputs = f[:, :-1] + noise * (2 * torch.rand_like(f[:, :-1]) - 1)
-        # Every depth's goals are target features f_p with x_{p+1} an assistant token (depth d: those with p >= d),
-        # so their head logits are computed once for all depths. Loss rows only: vocab-wide work is most of a step.
-        goal_rows = t.mask[:, 2:]  # [B, T-2]: position p = 1..T-2
-        goal_p = torch.arange(1, T - 1, device=ids.device).expand_as(goal_rows)[goal_rows]
-        goals = f[:, 1:T - 1][goal_rows]
-        with torch.no_grad():
-            all_goal_logits = model.head(goals)
         total, metrics = 0.0, {}
         for d, pred in enumerate(unroll(model, ids, inputs, min(depth, T - 2)), start=1):
             n = T - d - 1  # rows j whose next token x_{j+d+1} exists; row j at depth d predicts f_{j+d}
-            pred = pred[:, :n][t.mask[:, d + 1:d + 1 + n]]  # row-major (b, j), the order of (b, p = j + d) above
-            here = goal_p >= d  # depth 1: all of them, no copy needed
-            goal, goal_logits = (goals, all_goal_logits) if d == 1 else (goals[here], all_goal_logits[here])
+            m = t.mask[:, d + 1:d + 1 + n]
+            pred, goal = pred[:, :n][m], f[:, d:d + n][m]  # loss rows only: the vocab-wide work is most of a step
             logits = model.head(pred)
+            with torch.no_grad():
+                goal_logits = model.head(goal)
             m = torch.ones(len(pred), dtype=torch.bool, device=pred.device)
             reg, tok = feature_regression(pred, goal, m), soft_cross_entropy(goal_logits, logits, m)
             total = total + decay ** (d - 1) * (w_feature * reg + w_token * tok)

@@ -6,6 +6,11 @@ perplexity change come from teacher-forced forwards over the same rows in which 
 that the drafter's attention selects (runtime.attention.kept_keys, as the engine does at each verify), and tau
 from greedy speculative generation with the engine verifying sparsely. The largest saving whose perplexity
 increase stays within calibrate.ppl_tolerance becomes specattn.json, which export carries into the bundle.
+
+The same teacher-forced sweep runs once more with every target layer choosing its keys by its own attention: what
+a drafter that predicted each layer's attention perfectly would select. No drafter can beat that ceiling, so the
+report says how much of the gap is the drafter's and how much the target's (on short chat rows its attention is
+not sparse enough for large savings whatever picks the keys).
 """
 from __future__ import annotations
 
@@ -63,14 +68,27 @@ def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.T
     return S, LayerMap.fit(S, dense_first=min(dense_first, S.shape[1] - 1))
 
 
+def draft_selector(row: CalibrationRow) -> torch.Tensor:
+    """[1, H, T, T]: query t's keys as the drafter's pair at position t (the one that would propose x_{t+1}) ranks
+    them, as the engine's verify does for its root; query 0 has no pair."""
+    return F.pad(on_target_keys(row.draft_attention), (0, 0, 1, 0))
+
+
+def target_selector(row: CalibrationRow) -> torch.Tensor:
+    """[Lt, H, T, T]: each target layer's own attention, query t over keys 1..t (key 0, a sink, is always read):
+    the ranking a drafter that predicted every layer perfectly would give. Use with the identity layer map."""
+    return F.pad(row.target_attention, (1, 0, 1, 0))
+
+
 @torch.inference_mode()
-def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig) -> tuple[torch.Tensor, int, int]:
-    """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys the
-    drafter's pair at position t (the one that would propose x_{t+1}) selects from the prefix 0..t-1, as the
-    engine's verify does for its root; key t itself is the token being verified and always read."""
+def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
+               selector=draft_selector) -> tuple[torch.Tensor, int, int]:
+    """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys
+    `selector(row)` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified
+    and always read."""
     T = row.ids.numel()
-    draft = F.pad(on_target_keys(row.draft_attention), (0, 0, 1, 0))  # query t <- pair t-1; query 0 has no pair
-    keep = kept_keys(draft, torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink, sparse.recent)
+    keep = kept_keys(selector(row), torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink,
+                     sparse.recent)
     layer_keep = sparse.layer_keep(keep)
     out = target.run(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep)
     reads, dense = kv_reads(layer_keep, torch.ones(T, T, dtype=torch.bool).tril(), target.config.n_kv_heads)
@@ -99,13 +117,23 @@ def measure_top_p(target: Transformer, drafter: Drafter, rows: list[CalibrationR
             "tau_change": tau["tau"] / dense_tau - 1, "kv_saved_generating": tau["kv_saved"]}
 
 
+def measure_ceiling(target: Transformer, rows: list[CalibrationRow], top_p: float, dense_first: int,
+                    dense_ppl: float) -> dict:
+    """KV reads saved and perplexity change when every target layer selects its keys by its own attention."""
+    sparse = SpecAttnConfig(tuple(range(target.config.n_layers)), top_p, dense_first)
+    runs = [sparse_nll(target, r, sparse, target_selector) for r in rows]
+    ppl = perplexity([nll for nll, _, _ in runs])
+    return {"top_p": top_p, "kv_saved": 1 - sum(r for _, r, _ in runs) / sum(d for _, _, d in runs),
+            "ppl_change": ppl / dense_ppl - 1}
+
+
 def choose_top_p(sweep: list[dict], ppl_tolerance: float) -> dict | None:
     """The sweep entry saving the most KV reads with ppl_change <= ppl_tolerance; None when none qualifies."""
     ok = [r for r in sweep if r["ppl_change"] <= ppl_tolerance]
     return max(ok, key=lambda r: (r["kv_saved"], -r["top_p"])) if ok else None
 
 
-def plot_sparsity(sweep: list[dict], ppl_tolerance: float, dense_tau: float, path: Path) -> Path:
+def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, dense_tau: float, path: Path) -> Path:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.5))
@@ -113,13 +141,16 @@ def plot_sparsity(sweep: list[dict], ppl_tolerance: float, dense_tau: float, pat
     saved = [100 * r["kv_saved"] for r in sweep]
     for ax, key, scale, label in ((ppl_ax, "ppl_change", 100, "target perplexity change (%)"),
                                   (tau_ax, "tau", 1, "tau (tokens per target forward)")):
-        ax.plot(saved, [scale * r[key] for r in sweep], marker="o")
+        ax.plot(saved, [scale * r[key] for r in sweep], marker="o", label="keys chosen by the draft's attention")
         for x, r in zip(saved, sweep):
             ax.annotate(f"p={r['top_p']}", (x, scale * r[key]), fontsize="x-small", xytext=(3, 3),
                         textcoords="offset points")
         ax.set_xlabel("KV reads saved (%)")
         ax.set_ylabel(label)
+    ppl_ax.plot([100 * r["kv_saved"] for r in ceiling], [100 * r["ppl_change"] for r in ceiling], marker=".",
+                color="gray", label="ceiling: each target layer's own attention")
     ppl_ax.axhline(100 * ppl_tolerance, color="red", linestyle="--", linewidth=1, label="tolerance")
+    ppl_ax.set_yscale("symlog", linthresh=1)  # linear within +-1%, where the tolerance sits; a poor draft lies far above
     tau_ax.axhline(dense_tau, color="gray", linestyle="--", linewidth=1, label="dense")
     for ax in (ppl_ax, tau_ax):
         ax.legend(loc="best", fontsize="small")
@@ -141,31 +172,37 @@ def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafte
     sweep = [measure_top_p(target, drafter, rows, SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first),
                            dense_ppl, dense_tau, tau_prompts, budget, tau_new_tokens) for p in sorted(top_p)]
     chosen = choose_top_p(sweep, ppl_tolerance)
+    ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, dense_ppl) for p in sorted(top_p)]
+    ceiling_chosen = choose_top_p(ceiling, ppl_tolerance)
+    ceiling_saved = ceiling_chosen["kv_saved"] if ceiling_chosen else 0.0
     if chosen is not None:
         settings = SpecAttnConfig(layer_map.mapping, chosen["top_p"], layer_map.dense_first)
     spread = {"draft_attention_keys": effective_keys([r.draft_attention for r in rows]),
               "target_attention_keys": effective_keys([r.target_attention for r in rows])}
     report = {**spread, "dense_perplexity": dense_ppl, "dense_tau": dense_tau, "ppl_tolerance": ppl_tolerance,
               "sink": settings.sink, "recent": settings.recent, "rows": len(rows),
-              "tokens": sum(r.ids.numel() for r in rows), "chosen_top_p": settings.top_p, "sweep": sweep}
+              "tokens": sum(r.ids.numel() for r in rows), "chosen_top_p": settings.top_p, "sweep": sweep,
+              "ceiling_kv_saved_at_ppl_tolerance": ceiling_saved, "ceiling_sweep": ceiling}
     (out / "layer_map.json").write_text(layer_map.to_json() + "\n")
     (out / "sparsity.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "specattn.json").write_text(settings.to_json() + "\n")
     plot_layer_map(S, layer_map.mapping, out / "layer_map.png")
-    plot_sparsity(sweep, ppl_tolerance, dense_tau, out / "sparsity.png")
+    plot_sparsity(sweep, ceiling, ppl_tolerance, dense_tau, out / "sparsity.png")
 
     # per target layer: how well the best draft layer's attention predicts it (-KL, 0 is perfect)
     metrics = {f"neg_kl_layer_{j}": float(v) for j, v in enumerate(S.max(0).values.tolist())}
     metrics |= spread | {"dense_perplexity": dense_ppl, "specattn_top_p": settings.top_p,
-                "kv_saved_at_ppl_tolerance": chosen["kv_saved"] if chosen else 0.0}
+                "kv_saved_at_ppl_tolerance": chosen["kv_saved"] if chosen else 0.0,
+                "ceiling_kv_saved_at_ppl_tolerance": ceiling_saved}
     for r in sweep:
         metrics |= {f"kv_saved_p{r['top_p']}": r["kv_saved"], f"ppl_change_p{r['top_p']}": r["ppl_change"],
                     f"tau_p{r['top_p']}": r["tau"]}
     outputs = {"layer_map": "layer_map.json", "layer_map_plot": "layer_map.png", "sparsity": "sparsity.json",
                "sparsity_plot": "sparsity.png", "specattn": "specattn.json"}
+    ceiling_note = f"; the target's own attention would save {ceiling_saved:.0%} (the ceiling)"
     message = (f"SpecAttn top-p {chosen['top_p']} saves {chosen['kv_saved']:.0%} of KV reads at "
                f"{chosen['ppl_change']:+.2%} perplexity, tau {chosen['tau']:.2f} (dense {dense_tau:.2f})"
                if chosen else f"SpecAttn: no top-p within +{ppl_tolerance:.1%} perplexity, verification stays dense "
                f"(draft attention rows spread over {spread['draft_attention_keys']:.1f} keys, the target's over "
-               f"{spread['target_attention_keys']:.1f})")
+               f"{spread['target_attention_keys']:.1f})") + ceiling_note
     return outputs, metrics, message

@@ -14,7 +14,7 @@ from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
 from pipeline.kv_calibration import choose_kv_scheme, decode_ms, kv_message, quantized_nll
 from pipeline.runstore import RunStore
-from pipeline.specattn_calibration import calibration_row, choose_top_p, effective_keys, sparse_nll
+from pipeline.specattn_calibration import calibration_row, choose_top_p, effective_keys, sparse_nll, target_selector
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
@@ -149,6 +149,13 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     best = max(within, key=lambda r: r["kv_saved"]) if within else {"top_p": 1.0, "kv_saved": 0.0}
     assert settings.top_p == best["top_p"] and m["kv_saved_at_ppl_tolerance"] == best["kv_saved"]
     assert "SpecAttn" in result.message and "specattn" in result.outputs
+    ceiling = report["ceiling_sweep"]  # every target layer choosing by its own attention
+    assert [r["top_p"] for r in ceiling] == TOP_P and all(math.isfinite(r["ppl_change"]) for r in ceiling)
+    ceiling_saved = [r["kv_saved"] for r in ceiling]
+    assert all(a >= b for a, b in zip(ceiling_saved, ceiling_saved[1:])) and 0 < ceiling_saved[0] < 0.5
+    within = [r["kv_saved"] for r in ceiling if r["ppl_change"] <= 0.01]
+    assert m["ceiling_kv_saved_at_ppl_tolerance"] == report["ceiling_kv_saved_at_ppl_tolerance"] == max(within, default=0.0)
+    assert "ceiling" in result.message
 
     kv = json.loads((ctx.out / "kv_quant.json").read_text())
     cands = {c["scheme"]: c for c in kv["candidates"]}
@@ -251,6 +258,12 @@ def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, disti
     assert torch.equal(nll, row.dense_nll) and reads == dense
     nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2))
     assert reads < dense and nll.shape == row.dense_nll.shape
+    own = SpecAttnConfig((-1, 1, 2, 3), top_p=1.0, dense_first=1)  # each target layer ranks keys by its own attention
+    nll, reads, dense = sparse_nll(target, row, own, target_selector)
+    assert torch.equal(nll, row.dense_nll) and reads == dense
+    own = SpecAttnConfig((-1, 1, 2, 3), 0.5, dense_first=1, sink=1, recent=2)
+    nll, reads, dense = sparse_nll(target, row, own, target_selector)
+    assert reads < dense and not torch.equal(nll, row.dense_nll)
 
 
 def test_choose_kv_scheme_is_the_smallest_within_both_tolerances_and_the_slowdown():

@@ -9,8 +9,7 @@ increase stays within calibrate.ppl_tolerance becomes specattn.json, which expor
 
 The same teacher-forced sweep runs once more with every target layer choosing its keys by its own attention: what
 a drafter that predicted each layer's attention perfectly would select. No drafter can beat that ceiling, so the
-report says how much of the gap is the drafter's and how much the target's (on short chat rows its attention is
-not sparse enough for large savings whatever picks the keys).
+report says how much of a shortfall is the drafter's and how much the target's.
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,7 @@ def target_selector(row: CalibrationRow) -> torch.Tensor:
 
 @torch.inference_mode()
 def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
-               selector=draft_selector) -> tuple[torch.Tensor, int, int]:
+               selector: Callable[[CalibrationRow], torch.Tensor] = draft_selector) -> tuple[torch.Tensor, int, int]:
     """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys
     `selector(row)` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified
     and always read."""
@@ -106,14 +106,20 @@ def perplexity(nll: list[torch.Tensor]) -> float:
     return math.exp(torch.cat(nll).double().mean().item())
 
 
+def teacher_forced(target: Transformer, rows: list[CalibrationRow], sparse: SpecAttnConfig,
+                   selector: Callable[[CalibrationRow], torch.Tensor], dense_ppl: float) -> dict:
+    """KV reads saved and perplexity over the rows, verifying sparsely with the keys `selector` ranks."""
+    runs = [sparse_nll(target, r, sparse, selector) for r in rows]
+    ppl = perplexity([nll for nll, _, _ in runs])
+    return {"top_p": sparse.top_p, "kv_saved": 1 - sum(r for _, r, _ in runs) / sum(d for _, _, d in runs),
+            "perplexity": ppl, "ppl_change": ppl / dense_ppl - 1}
+
+
 def measure_top_p(target: Transformer, drafter: Drafter, rows: list[CalibrationRow], sparse: SpecAttnConfig,
                   dense_ppl: float, dense_tau: float, tau_prompts: list[list[int]], budget: DraftBudget,
                   tau_new_tokens: int) -> dict:
-    runs = [sparse_nll(target, r, sparse) for r in rows]
-    ppl = perplexity([nll for nll, _, _ in runs])
     tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens, sparse=sparse)
-    return {"top_p": sparse.top_p, "kv_saved": 1 - sum(r for _, r, _ in runs) / sum(d for _, _, d in runs),
-            "perplexity": ppl, "ppl_change": ppl / dense_ppl - 1, "tau": tau["tau"],
+    return {**teacher_forced(target, rows, sparse, draft_selector, dense_ppl), "tau": tau["tau"],
             "tau_change": tau["tau"] / dense_tau - 1, "kv_saved_generating": tau["kv_saved"]}
 
 
@@ -121,10 +127,7 @@ def measure_ceiling(target: Transformer, rows: list[CalibrationRow], top_p: floa
                     dense_ppl: float) -> dict:
     """KV reads saved and perplexity change when every target layer selects its keys by its own attention."""
     sparse = SpecAttnConfig(tuple(range(target.config.n_layers)), top_p, dense_first)
-    runs = [sparse_nll(target, r, sparse, target_selector) for r in rows]
-    ppl = perplexity([nll for nll, _, _ in runs])
-    return {"top_p": top_p, "kv_saved": 1 - sum(r for _, r, _ in runs) / sum(d for _, _, d in runs),
-            "ppl_change": ppl / dense_ppl - 1}
+    return teacher_forced(target, rows, sparse, target_selector, dense_ppl)
 
 
 def choose_top_p(sweep: list[dict], ppl_tolerance: float) -> dict | None:

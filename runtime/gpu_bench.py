@@ -141,7 +141,8 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
     methods = {"hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, (), gen), None),
                "ours_ar": ours_method(ar_engine)}
     capture_s = None
-    if graphs and torch.device(device).type == "cuda":
+    on_gpu = torch.device(device).type == "cuda"
+    if graphs and on_gpu:
         from runtime.cuda_graphs import GraphedGreedyDecoder
 
         t0 = time.perf_counter()
@@ -150,12 +151,11 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
         methods["ours_ar_graph"] = lambda ids, gen: (decoder.generate(ids, max_new_tokens), None)
     drafter = ReplayDrafter(vocab, references, accept_rate, seed)
     methods["ours_spec"] = ours_method(Engine(ours, drafter, cfg))
-    if graphs and torch.device(device).type == "cuda":  # graphs captured on first use: the warm-up generation
+    if graphs and on_gpu:  # graphs captured on first use: the warm-up generation
         graphed = Engine(ours, ReplayDrafter(vocab, references, accept_rate, seed), replace(cfg, static_verify=True))
         methods["ours_spec_graph"] = ours_method(graphed)
 
     outputs: dict[str, list[list[int]]] = {}
-    on_gpu = torch.device(device).type == "cuda"
     bandwidth = copy_bandwidth(1 << 30, 10, device) if on_gpu else copy_bandwidth()
     results = measure(methods, prompts, seed, compare_tokens=True, outputs=outputs)
     for method, r in results.items():  # greedy agreement with our AR, token by token

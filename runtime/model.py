@@ -112,6 +112,9 @@ def packed_min_fp32_rows(cpu_vendor: str) -> int:
 
 
 PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_info("vendor_id"))
+# oneDNN's prepacked bf16 product gives every row exactly its one-row result up to 32 rows and switches to a kernel
+# that rounds differently beyond: a verify of more rows goes in 32-row slices, or greedy output would drift from AR
+PACKED_EXACT_ROWS = 32
 
 
 class Packable:
@@ -137,8 +140,14 @@ class Packable:
         if self.packed is not None and x.device.type == "cpu" and x.dtype == self.packed.dtype \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:
+                rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)
+                return torch.cat([self._packed(r, bias) for r in rows]).view(*x.shape[:-1], -1)
+            return self._packed(x, bias)
         return F.linear(x, self.weight, bias)
+
+    def _packed(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear, Packable):

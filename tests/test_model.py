@@ -239,6 +239,20 @@ def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypa
     assert calls == [(1, 4, 16), (1, 9, 16)]
 
 
+@torch.no_grad()
+def test_prepacked_bf16_products_give_every_row_its_one_row_result():
+    """A tree verify of more than 32 rows must compute each row exactly as a one-token decode would (greedy
+    speculation stays lossless); oneDNN's bf16 kernel alone does so only up to 32 rows."""
+    if not onednn_packs(torch.bfloat16):
+        pytest.skip("oneDNN cannot prepack bf16 weights on this CPU")
+    torch.manual_seed(0)
+    linear = Linear(576, 576, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linear.pack()
+    x = torch.randn(1, 70, 576, dtype=torch.bfloat16)
+    one_row = torch.cat([linear(x[:, i:i + 1]) for i in range(70)], dim=1)
+    assert torch.equal(linear(x), one_row)
+
+
 def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):
     hf = json.loads((tiny_llama_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):

@@ -9,6 +9,9 @@ export ships and validate and serving read (runtime.bundle.Bundle.engine_setting
 budget on the CPU is often a one-token chain, whose tau (at most 2) may fall below gate.min_tau when a larger tree's
 would not, and for a weak drafter the only tree whose tau clears the floor with room to spare may be slower than
 plain decoding.
+
+Each tree is also tried with the n-gram lookup branch (EngineConfig.lookup): a target that repeats itself or its
+prompt gets those nodes accepted whatever the drafter proposed, and the timing says whether the wider verify pays.
 """
 from __future__ import annotations
 
@@ -25,13 +28,15 @@ from runtime.sampling import SamplingParams
 LADDER = ((1, 1, 1), (2, 1, 2), (2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 4, 16))
 
 
-def candidates(configured: DraftBudget) -> list[tuple[DraftBudget, bool]]:
-    """(budget, adaptive) pairs: the ladder's rungs within the configured budget, then the configured one fixed and
-    adaptive (EngineConfig.adaptive shrinks the depth to recent acceptance and may stop drafting)."""
+def candidates(configured: DraftBudget, lookups: tuple[int, ...] = (0,)) -> list[tuple[DraftBudget, bool, int]]:
+    """(budget, adaptive, lookup) triples: the ladder's rungs within the configured budget, then the configured one
+    fixed and adaptive (EngineConfig.adaptive shrinks the depth to recent acceptance and may stop drafting), each
+    with every lookup branch size."""
     out = [DraftBudget(depth=d, width=w, nodes=n) for d, w, n in LADDER
            if d <= configured.depth and w <= configured.width and n <= configured.max_nodes]
     out = [b for b in out if b != configured] + [configured]
-    return [(b, False) for b in out] + [(configured, True)]
+    trees = [(b, False) for b in out] + [(configured, True)]
+    return [(b, adaptive, lookup) for lookup in lookups for b, adaptive in trees]
 
 
 def choose_budget(sweep: list[dict], min_tau: float, min_speedup: float = 0.0, tau_margin: float = 0.0) -> dict:
@@ -48,15 +53,16 @@ def choose_budget(sweep: list[dict], min_tau: float, min_speedup: float = 0.0, t
 
 def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[list[int]], configured: DraftBudget,
                      new_tokens: int, kv: dict, stop_ids: tuple[int, ...],
-                     min_tau: float = 0.0, min_speedup: float = 0.0,
-                     tau_margin: float = 0.0) -> tuple[dict[str, str], dict, str]:
+                     min_tau: float = 0.0, min_speedup: float = 0.0, tau_margin: float = 0.0,
+                     lookups: tuple[int, ...] = (0,)) -> tuple[dict[str, str], dict, str]:
     """Time our autoregressive decode and every candidate on `prompts` (`new_drafter()` gives a fresh drafter, `kv`
     the KV EngineConfig fields); choose one by choose_budget; write draft_budget.json and .png to `out`; return
     (outputs, metrics, message)."""
-    max_seq_len = max(map(len, prompts)) + new_tokens + configured.max_nodes + 1
+    max_seq_len = max(map(len, prompts)) + new_tokens + configured.max_nodes + max(lookups) + 1
 
-    def tokens_per_s(drafter, budget: DraftBudget, adaptive: bool) -> tuple[float, float]:
-        engine = Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, budget=budget, adaptive=adaptive, **kv))
+    def tokens_per_s(drafter, budget: DraftBudget, adaptive: bool, lookup: int) -> tuple[float, float]:
+        engine = Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, budget=budget, adaptive=adaptive,
+                                                      lookup=lookup, **kv))
 
         def run(ids, params, gen):
             g = engine.generate(ids, new_tokens, params, gen, stop_ids)
@@ -66,23 +72,25 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
         timed = time_method(run, prompts, SamplingParams(), seed=0)
         return timed.tokens_per_s, timed.tau(len(prompts))
 
-    ar_rate, _ = tokens_per_s(None, configured, False)
+    ar_rate, _ = tokens_per_s(None, configured, False, 0)
     sweep = []
-    for budget, adaptive in candidates(configured):
-        rate, tau = tokens_per_s(new_drafter(), budget, adaptive)
+    for budget, adaptive, lookup in candidates(configured, lookups):
+        rate, tau = tokens_per_s(new_drafter(), budget, adaptive, lookup)
         sweep.append({"depth": budget.depth, "width": budget.width, "nodes": budget.max_nodes, "adaptive": adaptive,
-                      "tokens_per_s": rate, "speedup": rate / ar_rate, "tau": tau})
+                      "lookup": lookup, "tokens_per_s": rate, "speedup": rate / ar_rate, "tau": tau})
     best = choose_budget(sweep, min_tau, min_speedup, tau_margin)
-    chosen = {k: best[k] for k in ("depth", "width", "nodes", "adaptive")}
+    chosen = {k: best[k] for k in ("depth", "width", "nodes", "adaptive", "lookup")}
     report = {"chosen": chosen, "min_tau": min_tau, "min_speedup": min_speedup, "tau_margin": tau_margin,
               "tokens_per_s_ar": ar_rate,
               "dtype": str(target.dtype).removeprefix("torch."), "prompts": len(prompts),
               "new_tokens": new_tokens, "sweep": sweep}
     (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_budgets(sweep, out / "draft_budget.png")
-    label = f"depth {best['depth']} width {best['width']} nodes {best['nodes']}" + " adaptive" * best["adaptive"]
+    label = f"depth {best['depth']} width {best['width']} nodes {best['nodes']}" + " adaptive" * best["adaptive"] \
+        + f" + lookup {best['lookup']}" * bool(best["lookup"])
     metrics = {"budget_speedup": best["speedup"], "budget_tokens_per_s": best["tokens_per_s"],
-               "budget_nodes": float(best["nodes"]), "budget_tokens_per_s_ar": ar_rate}
+               "budget_nodes": float(best["nodes"]), "budget_lookup": float(best["lookup"]),
+               "budget_tokens_per_s_ar": ar_rate}
     return ({"draft_budget": "draft_budget.json", "draft_budget_plot": "draft_budget.png"}, metrics,
             f"draft budget {label}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
             + (")" if best["tau"] >= min_tau and best["speedup"] >= min_speedup else
@@ -92,11 +100,13 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
 def plot_budgets(sweep: list[dict], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 3.5))
+    fig = Figure(figsize=(max(6, 0.5 * len(sweep)), 3.5))
     ax = fig.add_subplot()
-    labels = [f"{r['depth']}x{r['width']}/{r['nodes']}" + ("\nadaptive" if r["adaptive"] else "") for r in sweep]
-    ax.bar(range(len(sweep)), [r["speedup"] for r in sweep], color=["tab:orange" if r["adaptive"] else "tab:blue"
-                                                                     for r in sweep])
+    labels = [f"{r['depth']}x{r['width']}/{r['nodes']}" + ("\nadaptive" if r["adaptive"] else "")
+              + (f"\n+lookup {r['lookup']}" if r.get("lookup") else "") for r in sweep]
+    colors = [("tab:green" if r.get("lookup") else "tab:blue", "tab:olive" if r.get("lookup") else "tab:orange")
+              [r["adaptive"]] for r in sweep]
+    ax.bar(range(len(sweep)), [r["speedup"] for r in sweep], color=colors)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(sweep)), labels, fontsize="x-small")
     ax.set(xlabel="draft budget (depth x width / nodes)", ylabel="speedup over our AR (x)",

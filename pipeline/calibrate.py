@@ -156,7 +156,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
         ctx.out, timed, lambda: runtime_drafter(kind, timed_model, timed), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens, kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
         generation_stop_ids(ctx.target_dir), min_tau=gate.min_tau, min_speedup=gate.min_speedup,
-        tau_margin=s.budget_tau_margin)
+        tau_margin=s.budget_tau_margin, lookups=tuple(sorted({0, ctx.cfg.drafter.lookup})))
     outputs |= budget_outputs
     metrics |= budget_metrics
     message += budget_message + "; "

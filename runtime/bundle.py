@@ -50,12 +50,13 @@ class Bundle:
 
     def engine_settings(self, budget: DraftBudget) -> dict:
         """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme and draft budget
-        (whether the engine adapts it too); `budget` and the engine's default adaptivity when it has none."""
+        (whether the engine adapts it, and the n-gram lookup branch); `budget` and the engine's defaults when it has
+        none."""
         fields = {"budget": budget, **self.kv_settings()}
         if self.has(DRAFT_BUDGET):
             chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
             fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),
-                       "adaptive": chosen["adaptive"]}
+                       "adaptive": chosen["adaptive"], "lookup": chosen.get("lookup", 0)}  # older bundles: none
         return fields
 
     def tensors(self, name: str = WEIGHTS) -> dict:

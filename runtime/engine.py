@@ -21,6 +21,7 @@ from runtime.cuda_graphs import StaticVerifier
 from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
 from runtime.model import Transformer
+from runtime.ngram import NgramDrafter
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
@@ -42,6 +43,9 @@ class EngineConfig:
     # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.cuda_graphs.StaticVerifier;
     # off CUDA the static step runs eagerly, reading the whole cache: for tests). Dense, full-precision KV only.
     static_verify: bool = False
+    # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.ngram) are
+    # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
+    lookup: int = 0
 
     def __post_init__(self):
         if not isinstance(self.budget, DraftBudget):
@@ -59,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
         if self.kv_scheme is not None:
             KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
+        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or self.lookup < 0:
+            raise ValueError(f"EngineConfig: lookup={self.lookup!r}, expected an int >= 0 (0 = off)")
         if self.static_verify and (self.sparse is not None or self.kv_scheme is not None):
             raise ValueError("EngineConfig: static_verify needs dense verification and a full-precision KV cache "
                              f"(got sparse={self.sparse is not None}, kv_scheme={self.kv_scheme!r})")
@@ -116,6 +122,8 @@ class Engine:
             drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
         if drafter is not None:
             drafter.track_attention = cfg.sparse is not None
+        self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup) \
+            if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
         self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda") \
             if cfg.static_verify else None
 
@@ -135,8 +143,11 @@ class Engine:
         root = verify(DraftTree.empty(device), logits[0], params, generator).next_token
         out = [root]
         speculating = drafter is not None
+        lookup = self.lookup if params.greedy else None
         if speculating:
             drafter.reset(torch.tensor(prompt_ids + [root], device=device), self._features(hidden[0]))
+            if lookup is not None:
+                lookup.reset(torch.tensor(prompt_ids + [root]))
         prefill_s = clock.lap()
 
         stats = _Stats(cfg)
@@ -148,6 +159,8 @@ class Engine:
             tree = DraftTree.empty(device)
             if speculating and room > 0:
                 tree = drafter.propose(stats.budget(room), params, generator)
+                if lookup is not None and room > len(tree):
+                    tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room - len(tree))), params))
                 if len(tree) > room:
                     raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
                 stats.draft_s += clock.lap()
@@ -172,6 +185,8 @@ class Engine:
             committed = tree.tokens[verdict.accepted].tolist() + [verdict.next_token]
             if speculating:
                 drafter.commit(torch.tensor(committed, device=device), self._features(hidden[0, rows]))
+                if lookup is not None:
+                    lookup.commit(torch.tensor(committed))
                 stats.draft_s += clock.lap()
             stats.record(tree, verdict.accepted)
             if speculating and stats.should_fall_back():

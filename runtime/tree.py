@@ -59,6 +59,28 @@ class DraftTree:
             m[i + 1, i + 1] = True
         return m.to(self.tokens.device)
 
+    def union(self, other: "DraftTree") -> "DraftTree":
+        """Both trees as one trie below the same root: `other`'s nodes that repeat a path of this tree are merged
+        into it, the rest appended (topological order kept). Deterministic trees only: drawn siblings' q would no
+        longer describe how the merged children were drawn."""
+        if self.q is not None or other.q is not None:
+            raise ValueError("DraftTree.union: trees with draft distributions q cannot be merged (greedy only)")
+        index: dict[tuple[int, int], int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for tree in (self, other):
+            merged: list[int] = []  # this tree's node -> its node in the union
+            for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+                key = (-1 if parent < 0 else merged[parent], token)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(key[0])
+                merged.append(index[key])
+        device = self.tokens.device
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
+                         torch.tensor(parents, dtype=torch.long, device=device))
+
     def children(self) -> list[list[int]]:
         """children()[r] = node indices whose parent row is r (row 0 = root), in proposal order."""
         out: list[list[int]] = [[] for _ in range(len(self) + 1)]

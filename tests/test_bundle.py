@@ -96,14 +96,14 @@ def test_kv_settings_follow_calibrate_choice(tmp_path, chosen, expected):
 
 def test_engine_settings_take_the_calibrated_budget(tmp_path):
     configured = DraftBudget(depth=6, width=4, nodes=24)
-    report = {"chosen": {"depth": 2, "width": 2, "nodes": 4, "adaptive": False}, "sweep": []}
+    report = {"chosen": {"depth": 2, "width": 2, "nodes": 4, "adaptive": False, "lookup": 8}, "sweep": []}
     (tmp_path / "draft_budget.json").write_text(json.dumps(report))
     (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int4", "recent": 16, "candidates": []}))
     for name, extra in (("with", {n: tmp_path / n for n in ("draft_budget.json", "kv_quant.json")}), ("without", {})):
         write_bundle(tmp_path / name, {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp",
                      data_digest="dd", config={}, code_version="test", extra_files=extra)
     calibrated = read_bundle(tmp_path / "with").engine_settings(configured)
-    assert calibrated == {"budget": DraftBudget(depth=2, width=2, nodes=4), "adaptive": False, "kv_scheme": "int4",
-                          "kv_recent": 16}
+    assert calibrated == {"budget": DraftBudget(depth=2, width=2, nodes=4), "adaptive": False, "lookup": 8,
+                          "kv_scheme": "int4", "kv_recent": 16}
     assert read_bundle(tmp_path / "without").engine_settings(configured) == {"budget": configured}
     assert EngineConfig(**calibrated).budget.max_nodes == 4  # what validate and serving build their engines with

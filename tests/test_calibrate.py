@@ -173,15 +173,15 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert m["kv_int8_ppl_change"] == cands["int8"]["ppl_change"] and "kv_quant" in result.outputs
 
     budget = json.loads((ctx.out / "draft_budget.json").read_text())  # timed candidates within the configured 4x2/8
-    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"]) for r in budget["sweep"]]
-    assert shapes == [(1, 1, 1, False), (2, 1, 2, False), (2, 2, 4, False), (3, 2, 6, False), (4, 2, 8, False),
-                      (4, 2, 8, True)]
+    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"], r["lookup"]) for r in budget["sweep"]]
+    trees = [(1, 1, 1, False), (2, 1, 2, False), (2, 2, 4, False), (3, 2, 6, False), (4, 2, 8, False), (4, 2, 8, True)]
+    assert shapes == [t + (lookup,) for lookup in (0, ctx.cfg.drafter.lookup) for t in trees]
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1.0 for r in budget["sweep"]) and budget["tokens_per_s_ar"] > 0
     gate = ctx.cfg.validate.gate
     assert (budget["min_tau"], budget["min_speedup"], budget["tau_margin"]) == (
         gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
     fastest = choose_budget(budget["sweep"], gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
-    assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive")}
+    assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup")}
     assert m["budget_speedup"] == fastest["tokens_per_s"] / budget["tokens_per_s_ar"]
     assert (ctx.out / "draft_budget.png").stat().st_size > 1000 and "draft_budget" in result.outputs
 
@@ -202,10 +202,11 @@ def test_the_budget_is_the_fastest_that_clears_the_gate_floors():
 
 def test_budget_candidates_stay_within_the_configured_budget():
     wide = DraftBudget(depth=6, width=4, nodes=24)
-    assert candidates(wide)[-2:] == [(wide, False), (wide, True)] and len(candidates(wide)) == 9
+    assert candidates(wide)[-2:] == [(wide, False, 0), (wide, True, 0)] and len(candidates(wide)) == 9
     chain = DraftBudget(depth=3, width=1)  # nodes 0: depth * width
-    assert candidates(chain) == [(DraftBudget(1, 1, 1), False), (DraftBudget(2, 1, 2), False), (chain, False),
-                                 (chain, True)]
+    trees = [(DraftBudget(1, 1, 1), False), (DraftBudget(2, 1, 2), False), (chain, False), (chain, True)]
+    assert candidates(chain) == [(b, adaptive, 0) for b, adaptive in trees]
+    assert candidates(chain, (0, 8)) == [(b, adaptive, lookup) for lookup in (0, 8) for b, adaptive in trees]
 
 
 def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):

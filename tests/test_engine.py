@@ -91,6 +91,23 @@ def test_ngram_speculation_is_lossless(target):
         assert gen.metrics.target_forwards < 59  # random tiny models repeat themselves: n-grams get accepted
 
 
+def test_lookup_branch_adds_accepted_tokens_and_stays_lossless(target):
+    """A drafter that is always wrong, plus the n-gram lookup branch: the tiny target repeats itself, so the
+    branch's nodes get accepted and the target runs fewer forwards, with greedy output unchanged."""
+    want = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 60).tokens
+    forwards = {}
+    for lookup in (0, 6):
+        drafter = NoisyOracle(target.config.vocab_size, [], p_right=0.0, width=2, seed=0)
+        cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=2, width=2), adaptive=False, lookup=lookup)
+        gen = Engine(target, drafter, cfg).generate(PROMPT, 60)
+        assert gen.tokens == want
+        forwards[lookup] = gen.metrics.target_forwards
+        assert gen.metrics.draft_nodes <= forwards[lookup] * (4 + lookup)  # the lookup nodes come on top
+    assert forwards[6] < forwards[0] // 2, forwards  # (measured 58 -> 14; a random wrong token is right now and then)
+    with pytest.raises(ValueError, match="lookup=-1"):
+        EngineConfig(lookup=-1)
+
+
 @pytest.mark.parametrize("width,adaptive", [(1, False), (3, False), (2, True)], ids=["chain", "tree", "adaptive"])
 def test_noisy_oracle_speculation_is_lossless(target, width, adaptive):
     n_new = 50

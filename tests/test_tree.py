@@ -63,3 +63,22 @@ def test_rejects_child_before_parent():
 def test_rejects_length_mismatch():
     with pytest.raises(ValueError, match="3 tokens but 2 parents"):
         DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0]))
+
+
+def test_union_merges_shared_paths_and_appends_the_rest():
+    # a: root -> 7 -> 8, root -> 9;  b: root -> 7 -> 8 -> 10, root -> 7 -> 11
+    a = DraftTree(torch.tensor([7, 9, 8]), torch.tensor([-1, -1, 0]))
+    b = DraftTree(torch.tensor([7, 8, 10, 11]), torch.tensor([-1, 0, 1, 0]))
+    u = a.union(b)
+    assert u.tokens.tolist() == [7, 9, 8, 10, 11] and u.parents.tolist() == [-1, -1, 0, 2, 0]
+    paths = lambda t: {tuple(t.tokens[i].item() for i in range(len(t)) if t.ancestor_mask()[r + 1, i + 1])
+                       for r in range(len(t))}
+    assert paths(u) == paths(a) | paths(b)  # every root path of either tree, each once
+    assert a.union(DraftTree.empty()).tokens.tolist() == a.tokens.tolist()
+    assert DraftTree.empty().union(b).parents.tolist() == b.parents.tolist()
+
+
+def test_union_refuses_trees_drawn_with_a_distribution():
+    sampled = DraftTree.chain(torch.tensor([3]), q=torch.full((2, 4), 0.25))
+    with pytest.raises(ValueError, match="greedy only"):
+        sampled.union(DraftTree.chain(torch.tensor([3])))

@@ -3,7 +3,9 @@
 Every number comes from one process on the same prompts: our speculative engine, our autoregressive engine
 (the same model, cache and verifier without a drafter) and HF transformers `generate`, each warmed up once
 before timing; for an lm drafter also HF assisted generation (`generate(assistant_model=...)`, HF's own
-speculative decoding) driving the same drafter LM converted to an HF model. Greedy losslessness (speculative
+speculative decoding) driving the same drafter LM converted to an HF model, and for a bundle that drafts with
+the n-gram lookup branch also HF prompt lookup decoding (`generate(prompt_lookup_num_tokens=...)`, HF's own
+drafter-free counterpart of that branch). Greedy losslessness (speculative
 tokens == autoregressive tokens) is always measured, so temperature 0 is added when the config lists only
 sampling temperatures. Headline metrics are the worst case over the temperatures measured; the gate reads them.
 """
@@ -29,7 +31,9 @@ ACCEPTANCE_PNG, SPEEDUP_PNG = "acceptance_by_depth.png", "speedup.png"
 METHODS = ("spec", "ar", "hf")  # our speculative engine, our autoregressive engine, HF generate
 HEADLINE = ("tau", "speedup", "speedup_hf", "tokens_per_s", "tokens_per_s_ar", "tokens_per_s_hf")  # worst case
 ASSISTED = "hf_assisted"  # lm drafters only: HF assisted generation driving the same drafter LM
-ASSISTED_HEADLINE = ("speedup_hf_assisted", "tokens_per_s_hf_assisted")
+LOOKUP = "hf_lookup"  # bundles with the lookup branch: HF prompt lookup decoding of as many tokens
+PEERS = {ASSISTED: "HF assisted generation", LOOKUP: "HF prompt lookup"}  # measured only where they apply
+PEER_HEADLINE = tuple(f"{k}_{peer}" for peer in PEERS for k in ("speedup", "tokens_per_s"))
 
 Generate = Callable[[list[int], SamplingParams, torch.Generator], tuple[list[int], Metrics | None]]
 
@@ -117,6 +121,9 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
         assistant = hf_causal_lm(drafter.model)
         methods[ASSISTED] = lambda ids, params, gen: (
             hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, assistant=assistant), None)
+    if engines["spec"].lookup is not None:  # the engine drafts with the lookup branch
+        methods[LOOKUP] = lambda ids, params, gen: (
+            hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, prompt_lookup=engine_cfg.lookup), None)
     for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
@@ -124,7 +131,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
                  for name, run in methods.items()} for t in temperatures}
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": {"depth": budget.depth, "width": budget.width, "nodes": budget.max_nodes,
-                       "adaptive": engine_cfg.adaptive}, "timed": timed}
+                       "adaptive": engine_cfg.adaptive, "lookup": engine_cfg.lookup}, "timed": timed}
 
 
 def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
@@ -133,25 +140,25 @@ def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
            "tokens_per_s": spec.tokens_per_s, "tokens_per_s_ar": ar.tokens_per_s, "tokens_per_s_hf": hf.tokens_per_s,
            "speedup": spec.tokens_per_s / ar.tokens_per_s, "speedup_hf": spec.tokens_per_s / hf.tokens_per_s,
            "new_tokens": {m: run.new_tokens for m, run in timed.items()}}
-    if ASSISTED in timed:
-        assisted = timed[ASSISTED]
-        row |= {"tokens_per_s_hf_assisted": assisted.tokens_per_s,
-                "speedup_hf_assisted": spec.tokens_per_s / assisted.tokens_per_s}
+    for peer in PEERS:
+        if peer in timed:
+            row |= {f"tokens_per_s_{peer}": timed[peer].tokens_per_s,
+                    f"speedup_{peer}": spec.tokens_per_s / timed[peer].tokens_per_s}
     if t == 0.0:
         row["lossy_prompts"] = sum(a != b for a, b in zip(spec.tokens, ar.tokens))
     return row
 
 
 def write_report_md(path: Path, report: dict) -> None:
-    assisted = "speedup_hf_assisted" in report["temperatures"][0]
-    extra_head = " HF assisted tok/s | speedup vs HF assisted |" if assisted else ""
+    peers = [(peer, label) for peer, label in PEERS.items() if f"speedup_{peer}" in report["temperatures"][0]]
+    extra_head = "".join(f" {label} tok/s | speedup vs {label} |" for _, label in peers)
     lines = [f"# Validation of a {report['drafter_kind']} drafter", "",
              f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, {report['dtype']} on "
              f"{report['device']}; draft budget {report['budget']}", "",
              "| T | tau | spec tok/s | our AR tok/s | HF tok/s | speedup vs our AR | speedup vs HF |" + extra_head,
-             "|---|---|---|---|---|---|---|" + "---|---|" * assisted]
+             "|---|---|---|---|---|---|---|" + "---|---|" * len(peers)]
     for r in report["temperatures"]:
-        extra = f" {r['tokens_per_s_hf_assisted']:.1f} | {r['speedup_hf_assisted']:.2f}x |" if assisted else ""
+        extra = "".join(f" {r[f'tokens_per_s_{peer}']:.1f} | {r[f'speedup_{peer}']:.2f}x |" for peer, _ in peers)
         lines.append(f"| {r['temperature']:g} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_ar']:.1f} "
                      f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |" + extra)
     gate = report["gate"]
@@ -181,8 +188,7 @@ def write_plots(out: Path, rows: list[dict]) -> None:
     ax = fig.add_subplot()
     x = list(range(len(rows)))
     bars = [("speedup", "vs our autoregressive"), ("speedup_hf", "vs HF generate")]
-    if "speedup_hf_assisted" in rows[0]:
-        bars.append(("speedup_hf_assisted", "vs HF assisted generation"))
+    bars += [(f"speedup_{peer}", f"vs {label}") for peer, label in PEERS.items() if f"speedup_{peer}" in rows[0]]
     width = 0.8 / len(bars)
     for j, (key, label) in enumerate(bars):
         ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in x], [r[key] for r in rows], width=width, label=label)
@@ -206,7 +212,7 @@ def run_validate(ctx: StageContext) -> StageResult:
     measured = measure(ctx, prompts, temperatures)
     rows = [per_temperature(t, measured["timed"][t], len(prompts)) for t in temperatures]
     lossy = rows[0]["lossy_prompts"]
-    metrics = {k: min(r[k] for r in rows) for k in HEADLINE + ASSISTED_HEADLINE if k in rows[0]}
+    metrics = {k: min(r[k] for r in rows) for k in HEADLINE + PEER_HEADLINE if k in rows[0]}
     metrics |= {"lossless": lossy == 0, "lossy_prompts": lossy}
     reasons = gate_reasons(metrics, v.gate)
     report = {"metrics": metrics, "gate": {"passed": not reasons, "reasons": reasons, **v.gate.model_dump()},
@@ -220,8 +226,8 @@ def run_validate(ctx: StageContext) -> StageResult:
     write_plots(ctx.out, rows)
     summary = (f"tau {metrics['tau']:.2f}, {metrics['speedup']:.2f}x over our AR, {metrics['speedup_hf']:.2f}x over "
                f"HF generate, lossless {metrics['lossless']}")
-    if "speedup_hf_assisted" in metrics:
-        summary += f", {metrics['speedup_hf_assisted']:.2f}x over HF assisted generation"
+    summary += "".join(f", {metrics[f'speedup_{peer}']:.2f}x over {label}" for peer, label in PEERS.items()
+                       if f"speedup_{peer}" in metrics)
     return StageResult(status="completed" if not reasons else "gate_failed",
                        outputs={"report": REPORT_JSON, "report_md": REPORT_MD, "plots": [ACCEPTANCE_PNG, SPEEDUP_PNG]},
                        metrics={k: float(val) for k, val in metrics.items()},

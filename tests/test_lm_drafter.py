@@ -209,8 +209,7 @@ def test_lm_step_exports_to_onnx(target, tmp_path):
 # ---------------------------------------------------------------- distill -> export -> validate
 
 
-def test_lm_bundle_from_distill_exports_and_validates_with_hf_assisted_peer(tmp_path, target_dir, target,
-                                                                            self_distilled):
+def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, target_dir, target, self_distilled):
     cfg = Config.model_validate({
         "drafter": {"kind": "lm", "lm_layers": 1, "draft_vocab": 64, "depth": 3, "width": 2, "nodes": 6},
         "distill": {"steps": 4, "batch_size": 4, "lr": 3e-3, "warmup": 1, "kd_loss": "tv"},
@@ -230,6 +229,12 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_assisted_peer(tmp_
     config = json.loads((store.stage_dir("distill") / "drafter_config.json").read_text())
     assert config["kind"] == "lm" and config["model"]["n_layers"] == 1 and config["draft_vocab"] == 64
 
+    def calibrate(ctx):  # only the draft budget, as calibrate writes it: with the lookup branch
+        chosen = {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 4}
+        (ctx.out / "draft_budget.json").write_text(json.dumps({"chosen": chosen, "sweep": []}))
+        return StageResult(outputs={"draft_budget": "draft_budget.json"})
+
+    run_stage_on(store, "calibrate", cfg, target_dir, calibrate)
     run_stage_on(store, "export", cfg, target_dir, run_export)
     bundle = read_bundle(store.stage_dir("export") / "bundle", target_fingerprint(target_dir))
     assert bundle.has(ONNX_FILE) and bundle.manifest["onnx"]["kind"] == "lm"
@@ -244,4 +249,8 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_assisted_peer(tmp_
     assert row["tokens_per_s_hf_assisted"] > 0 and row["new_tokens"]["hf_assisted"] > 0
     assert row["speedup_hf_assisted"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_assisted"])
     assert report["metrics"]["speedup_hf_assisted"] == row["speedup_hf_assisted"]
-    assert "HF assisted" in (store.stage_dir("validate") / REPORT_MD).read_text()
+    assert report["budget"]["lookup"] == 4  # HF prompt lookup of as many tokens is the lookup branch's peer
+    assert row["tokens_per_s_hf_lookup"] > 0 and row["new_tokens"]["hf_lookup"] > 0
+    assert report["metrics"]["speedup_hf_lookup"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_lookup"])
+    md = (store.stage_dir("validate") / REPORT_MD).read_text()
+    assert "HF assisted" in md and "HF prompt lookup" in md and "HF prompt lookup" in rec["message"]

@@ -1,5 +1,6 @@
 """The `pipeline` CLI end to end on the real embedded target (prepare only; later stages are other issues)."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,11 @@ from runtime.precision import float_dtype
 
 
 def pipeline(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True)
+    # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: an earlier in-process stage (e.g. test_serving's, against
+    # a server since stopped) would otherwise choose the tracking store of these subprocesses
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env=env)
 
 
 @pytest.fixture

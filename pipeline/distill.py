@@ -35,13 +35,15 @@ def draft_budget(ctx: StageContext) -> DraftBudget:
 
 
 def measure_tau(target: Transformer, drafter, prompts: list[list[int]], budget: DraftBudget,
-                max_new_tokens: int, sparse: SpecAttnConfig | None = None, kv: KVQuant | None = None) -> dict:
+                max_new_tokens: int, sparse: SpecAttnConfig | None = None, kv: KVQuant | None = None,
+                lookup: int = 0) -> dict:
     """Real tau: greedy speculative generation in the runtime on held-out prompts (no fallback). With `sparse`
     the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are reported too; with `kv`
-    the target's and the drafter's KV histories are quantised."""
+    the target's and the drafter's KV histories are quantised; with `lookup` the n-gram lookup branch joins the
+    drafter's trees."""
     engine = Engine(target, drafter, EngineConfig(
         max_seq_len=target.max_seq_len, budget=budget, adaptive=False, sparse=sparse,
-        kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent))
+        kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent, lookup=lookup))
     forwards = tokens = 0
     saved = []
     for ids in prompts:
@@ -115,9 +117,13 @@ def run_distill(ctx: StageContext) -> StageResult:
     (ctx.out / "drafter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     # measured exactly as the bundle reader will build it: from the saved config and tensors
     drafter = runtime_drafter(d.kind, drafter_module(config, target, tensors), target, keep_ids=keep)
-    tau = measure_tau(target, drafter, prompts_from(val, 4), draft_budget(ctx), 48)
+    prompts = prompts_from(val, 4)
+    tau = measure_tau(target, drafter, prompts, draft_budget(ctx), 48)
+    if d.lookup:  # what serving's trees can reach when calibrate keeps the branch
+        tau["tau_lookup"] = measure_tau(target, drafter, prompts, draft_budget(ctx), 48, lookup=d.lookup)["tau"]
     metrics = {**{k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}, **tau,
                "steps": result["step"], "train_seconds": round(result["seconds"], 1),
                "offline_features": int(features is not None)}
     return StageResult(outputs={"weights": "drafter.safetensors", "config": "drafter_config.json"},
-                       metrics=metrics, message=f"{d.kind}: tau {tau['tau']:.2f} on {tau['tau_prompts']} val prompts")
+                       metrics=metrics, message=f"{d.kind}: tau {tau['tau']:.2f} on {tau['tau_prompts']} val prompts"
+                       + (f" ({tau['tau_lookup']:.2f} with the lookup branch)" if d.lookup else ""))

@@ -226,6 +226,7 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
     run_stage_on(store, "prepare", cfg, target_dir, prepare)
     rec = run_stage_on(store, "distill", cfg, target_dir, run_distill)
     assert rec["metrics"]["tau"] >= 1.0 and rec["message"].startswith("lm: tau")
+    assert rec["metrics"]["tau_lookup"] >= 1.0 and "with the lookup branch" in rec["message"]
     config = json.loads((store.stage_dir("distill") / "drafter_config.json").read_text())
     assert config["kind"] == "lm" and config["model"]["n_layers"] == 1 and config["draft_vocab"] == 64
 

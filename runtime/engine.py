@@ -7,6 +7,9 @@ token-for-token that of plain decoding; sampled output has the target's distribu
 With `EngineConfig.sparse` (SpecAttn) the verify forward reads, in the mapped layers, only the prefix keys the
 drafter's attention selects (runtime.attention.kept_keys). The output is then that of the *sparse* target: lossy
 w.r.t. the dense target by design (calibrate bounds the perplexity change); top_p = 1.0 equals dense exactly.
+
+With `EngineConfig.lookup` a greedy step's tree also holds what followed an earlier occurrence of the sequence's last
+tokens (an n-gram trie beside the drafter): one trie with the drafter's tree (DraftTree.union), verified as one.
 """
 from __future__ import annotations
 

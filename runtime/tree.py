@@ -65,6 +65,8 @@ class DraftTree:
         longer describe how the merged children were drawn."""
         if self.q is not None or other.q is not None:
             raise ValueError("DraftTree.union: trees with draft distributions q cannot be merged (greedy only)")
+        if not len(other):  # the common step where the lookup found no match: nothing to rebuild
+            return self
         index: dict[tuple[int, int], int] = {}
         tokens: list[int] = []
         parents: list[int] = []

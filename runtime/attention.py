@@ -16,6 +16,7 @@ kernels.topp), plus the first `sink` keys, the `recent` newest prefix keys and e
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib.util
 import json
 import math
@@ -26,6 +27,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.topp import topp_mask
 
@@ -93,6 +95,14 @@ def exact_dtype(q: Tensor) -> torch.dtype:
     return q.dtype
 
 
+# SDPA kernels on CUDA. Not cuDNN (SDPA's first pick there): it builds an execution plan for every new shape, 5-12 ms
+# of host time on an H100 machine, and a decode's or a tree's key count is new at every step (measured: 85% of an
+# eager decode). Not flash either: it would take the maskless one-token decode and memory-efficient attention the
+# masked tree verify, and two kernels round bf16 differently, so greedy speculation would drift from plain decoding.
+CUDA_SDPA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_no_context = contextlib.nullcontext()
+
+
 class SdpaBackend(AttentionBackend):
     """torch SDPA: the CPU path and the GPU reference. Sparse verification masks the skipped keys, so it gives
     the sparse result exactly but does not save the reads themselves."""
@@ -113,7 +123,8 @@ class SdpaBackend(AttentionBackend):
             mask_g = self._additive(mask, qg.shape[2] // q.shape[2], dtype)
         else:
             qg, mask_g = _grouped(q, keys, mask, keep)
-        out = F.scaled_dot_product_attention(qg.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask_g)
+        with sdpa_kernel(CUDA_SDPA_KERNELS) if q.is_cuda else _no_context:
+            out = F.scaled_dot_product_attention(qg.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask_g)
         return out.to(q.dtype).reshape(q.shape)
 
     def _additive(self, mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:

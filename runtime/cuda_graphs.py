@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
+from runtime.attention import CUDA_SDPA_KERNELS
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer, apply_rope, attention_mask
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
+STOP_CHECK = 16  # the graphed decoder looks for a stop token every this many tokens
 
 
 class GraphedGreedyDecoder:
@@ -72,7 +75,8 @@ class GraphedGreedyDecoder:
             keys.index_copy_(2, slot, k.transpose(1, 2))
             values.index_copy_(2, slot, v.transpose(1, 2))
             qg = q.reshape(1, Hkv, H // Hkv, D)  # grouped-query: each kv head's query heads as rows
-            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
+            with sdpa_kernel(CUDA_SDPA_KERNELS):  # the kernel the eager engine uses: the same rounding
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
             x = x + a.wo(o.reshape(1, 1, H * D))
             x = x + block.feed_forward(block.ffn_norm(x))
         logits = m.output(m.norm(x))
@@ -112,12 +116,18 @@ class GraphedGreedyDecoder:
         self.token.copy_(first.view(1, 1))
         self.pos.fill_(n)
         self.step.fill_(1)
-        for _ in range(max_new_tokens - 1):
+        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
+        made = 1
+        while made < max_new_tokens:
+            # a stop check costs a host sync: look every STOP_CHECK tokens, and trim what follows the stop below
+            if stops is not None and made % STOP_CHECK == 0 and bool(torch.isin(self.out[:made], stops).any()):
+                break
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._step()
-        tokens = self.out[:max_new_tokens].tolist()  # the one host sync of the whole generation
+            made += 1
+        tokens = self.out[:made].tolist()
         stop = set(stop_ids)
         first_stop = next((i for i, t in enumerate(tokens) if t in stop), None)
         return tokens if first_stop is None else tokens[:first_stop + 1]

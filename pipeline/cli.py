@@ -113,11 +113,12 @@ def cmd_serve(args) -> int:
     return serve(load_config(args.config, args.overrides), args.port, args.host, args.alias)
 
 
-def _bench_prompts(path: Path) -> list[str]:
-    """--prompts: one prompt per line, or JSONL lines with a string 'prompt' field."""
+def _bench_prompts(path: Path) -> list[str | list[int]]:
+    """--prompts: one prompt per line, or JSONL lines with a string 'prompt' field or token 'ids' (used as they are:
+    e.g. validate's held-out conversations, already in the chat template)."""
     import json
 
-    expected = "one prompt per line, or JSONL with a string 'prompt' field"
+    expected = "one prompt per line, or JSONL with a string 'prompt' or a list of token 'ids'"
     if not path.is_file():
         raise DraftsmithError(f"--prompts {path}: no such file ({expected})")
     prompts = []
@@ -126,11 +127,14 @@ def _bench_prompts(path: Path) -> list[str]:
             continue
         if line.lstrip().startswith("{"):
             try:
-                line = json.loads(line)["prompt"]
-            except (ValueError, KeyError, TypeError):
-                line = None
-            if not isinstance(line, str):
-                raise DraftsmithError(f"--prompts {path}:{n}: a JSON line without a string 'prompt' ({expected})")
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            line = row.get("prompt", row.get("ids")) if isinstance(row, dict) else None
+            ids = isinstance(line, list) and line and all(type(t) is int and t >= 0 for t in line)
+            if not (isinstance(line, str) or ids):
+                raise DraftsmithError(f"--prompts {path}:{n}: a JSON line without a string 'prompt' or a non-empty "
+                                      f"list of token 'ids' ({expected})")
         prompts.append(line)
     if not prompts:
         raise DraftsmithError(f"--prompts {path}: no prompts ({expected})")
@@ -165,9 +169,10 @@ def cmd_bench(args) -> int:
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
         fields = bundle.engine_settings(budget)  # as serving runs it: calibrated budget and KV scheme
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
-                       dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", torch.device("cpu")),
-                       engine_fields=fields, drafter_factory=factory)
+                       dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
+                       device=str(device), graphs=not args.no_graphs, engine_fields=fields, drafter_factory=factory)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0

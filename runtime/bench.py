@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -65,43 +66,41 @@ def weight_bytes_per_token(model: Transformer) -> int:
     return sum(p.numel() * p.element_size() for p in unique.values())
 
 
-def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[str], max_new_tokens: int = 128,
-              temperature: float = 0.0, *, dtype: torch.dtype = torch.float32, engine_fields: dict | None = None,
+def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[str | list[int]],
+              max_new_tokens: int = 128, temperature: float = 0.0, *, dtype: torch.dtype = torch.float32,
+              device: str = "cpu", graphs: bool = True, engine_fields: dict | None = None,
               drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
               seed: int = 0, print_table: bool = True) -> dict:
     """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine, the
     engines built with `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings; default: a
-    depth-5 chain)."""
+    depth-5 chain). A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a
+    CUDA device with `graphs`, also the CUDA-graph rows (graph_methods)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
         raise ValueError("run_bench: prompts is empty")
     params = SamplingParams(temperature=temperature)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompt_ids = [encode(tokenizer, p, chat_template) for p in prompts]
+    prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
     fields = engine_fields or {"budget": DraftBudget(5)}
     max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + fields["budget"].max_nodes + 1
 
-    target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
-
-    def ours(engine: Engine) -> Method:
-        def run(ids: list[int], gen: torch.Generator) -> tuple[list[int], Generation | None]:
-            out = engine.generate(ids, max_new_tokens, params, gen, stops)
-            return out.tokens, out
-        return run
-
     methods: dict[str, Method] = {
         "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stops, gen), None),
-        "ours_ar": ours(Engine(target, None, cfg))}
-    if drafter_spec is not None:
-        methods["ours_spec"] = ours(Engine(target, drafter_factory(drafter_spec, target), cfg))
+        "ours_ar": engine_method(Engine(target, None, cfg), max_new_tokens, params, stops)}
+    drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
+    if drafter is not None:
+        methods["ours_spec"] = engine_method(Engine(target, drafter(), cfg), max_new_tokens, params, stops)
+    notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops) \
+        if graphs and target.device.type == "cuda" else []
 
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(device=device)
     results = measure(methods, prompt_ids, seed, compare_tokens=params.greedy)
-    bandwidth = max(bandwidth, copy_bandwidth())  # best of two: a busy moment must not lower the bar
+    bandwidth = max(bandwidth, copy_bandwidth(device=device))  # best of two: a busy moment must not lower the bar
     ar = results["ours_ar"]
     floor_ms = 1e3 * weight_bytes_per_token(target) / bandwidth
     report = {
@@ -109,10 +108,41 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature, "device": device_name(),
         "torch_threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_token": weight_bytes_per_token(target), "floor_ms_per_token": floor_ms,
-        "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results}
+        "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results, "notes": notes}
     if print_table:
         print_report(report)
     return report
+
+
+def engine_method(engine: Engine, max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...]) -> Method:
+    def run(ids: list[int], gen: torch.Generator) -> tuple[list[int], Generation | None]:
+        out = engine.generate(ids, max_new_tokens, params, gen, stops)
+        return out.tokens, out
+    return run
+
+
+def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineConfig,
+                  drafter: Callable[[], Drafter] | None, max_new_tokens: int, params: SamplingParams,
+                  stops: tuple[int, ...]) -> list[str]:
+    """Add the CUDA-graph rows to `methods`: `ours_ar_graph` (greedy decode, the one-token step one graph replay;
+    runtime.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every verify
+    size a graph: EngineConfig.static_verify). Returns why a row was left out, if one was."""
+    from runtime.cuda_graphs import GraphedGreedyDecoder
+
+    notes = []
+    if params.greedy:
+        decoder = GraphedGreedyDecoder(target, cfg.max_seq_len)
+        methods["ours_ar_graph"] = lambda ids, gen: (decoder.generate(ids, max_new_tokens, stops), None)
+    else:
+        notes.append("ours_ar_graph left out: the graphed decoder is greedy only")
+    if drafter is None:
+        return notes
+    try:
+        static = replace(cfg, static_verify=True)
+    except ValueError as e:  # a quantised KV cache or SpecAttn: the static verify step has neither
+        return notes + [f"ours_spec_graph left out: {e}"]
+    methods["ours_spec_graph"] = engine_method(Engine(target, drafter(), static), max_new_tokens, params, stops)
+    return notes
 
 
 def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool,
@@ -122,7 +152,8 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
     for run in methods.values():  # warm-up: allocator, kernels, caches
         run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
     gens = {name: torch.Generator().manual_seed(seed) for name in methods}
-    totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0} for name in methods}
+    totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0, "draft_s": 0.0, "verify_s": 0.0,
+                     "rollback_s": 0.0} for name in methods}
     outputs = {} if outputs is None else outputs
     outputs.update({name: [] for name in methods})
     for ids in prompt_ids:  # methods interleaved per prompt: a load change on a shared machine hits all alike
@@ -136,6 +167,8 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
             if out is not None:
                 t["decode_s"] += out.metrics.total_s - out.metrics.prefill_s
                 t["forwards"] += out.metrics.target_forwards
+                for phase in ("draft_s", "verify_s", "rollback_s"):
+                    t[phase] += getattr(out.metrics, phase)
 
     results = {}
     for name, t in totals.items():
@@ -144,6 +177,8 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
         if t["forwards"]:  # the first token of each prompt comes from the prefill
             r["tau"] = (t["new_tokens"] - len(prompt_ids)) / t["forwards"]
             r["decode_ms_per_forward"] = 1e3 * t["decode_s"] / t["forwards"]
+            for phase in ("draft", "verify", "rollback"):  # where a step's time goes (the rest: the engine's own)
+                r[f"{phase}_ms_per_forward"] = 1e3 * t[f"{phase}_s"] / t["forwards"]
     for name, r in results.items():
         r["speedup_vs_hf"] = r["tokens_per_s"] / results["hf_generate"]["tokens_per_s"]
         r["speedup_vs_ours_ar"] = r["tokens_per_s"] / results["ours_ar"]["tokens_per_s"]
@@ -211,14 +246,14 @@ def print_report(report: dict) -> None:
 
     table = Table(title=f"{Path(report['target']).name}: {report['dtype']}, {report['prompts']} prompts, "
                         f"{report['max_new_tokens']} new tokens, temperature {report['temperature']}")
-    for col in ("method", "tokens", "s", "tok/s", "vs HF", "vs AR", "tau", "ms/fwd", "=AR"):
+    for col in ("method", "tokens", "s", "tok/s", "vs HF", "vs AR", "tau", "ms/fwd", "draft", "=AR"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
     for name, r in report["methods"].items():
+        ms = [f"{r[k]:.1f}" if k in r else "-" for k in ("decode_ms_per_forward", "draft_ms_per_forward")]
         table.add_row(name, str(r["new_tokens"]), f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup_vs_hf']:.2f}x", f"{r['speedup_vs_ours_ar']:.2f}x", f"{r.get('tau', 1.0):.2f}",
-                      f"{r['decode_ms_per_forward']:.1f}" if "decode_ms_per_forward" in r else "-",
-                      {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_ours_ar"]])
-    console = Console()
+                      *ms, {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_ours_ar"]])
+    console = Console(width=max(Console().width, 110))  # the whole table also in a log
     console.print(table)
     console.print(f"drafter {report['drafter']}; {report['device']}, {report['torch_threads']} torch threads; "
                   f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s; floor "

@@ -57,7 +57,7 @@ def drafter_tensors(module: nn.Module, keep_ids: torch.Tensor | None) -> dict[st
 
 def drafter_module(config: dict, target: Transformer, tensors: dict[str, torch.Tensor],
                    max_len: int | None = None) -> nn.Module:
-    """The trained module of a drafter (eval mode, the target's dtype) from its config and tensors."""
+    """The trained module of a drafter (eval mode, the target's dtype and device) from its config and tensors."""
     kind, max_len = config["kind"], max_len or target.max_seq_len + TREE_ROOM
     weights = {k: v for k, v in tensors.items() if k != DRAFT_VOCAB}
     if kind == "eagle":
@@ -74,7 +74,7 @@ def drafter_module(config: dict, target: Transformer, tensors: dict[str, torch.T
     missing, unexpected = module.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ValueError(f"weights do not fit a {kind} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return module.to(target.dtype).eval()
+    return module.to(device=target.device, dtype=target.dtype).eval()
 
 
 def runtime_drafter(kind: str, module: nn.Module, target: Transformer, max_len: int | None = None,

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
-
 import torch
 
 from runtime.drafter import DraftBudget, Drafter
@@ -114,7 +112,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cuda", budget: DraftBudget = DraftBudget(5), accept_rate: float = 0.8,
                      graphs: bool = True, seed: int = 0, print_table: bool = True) -> dict:
-    from runtime.bench import copy_bandwidth, device_name, hf_generate, measure, print_report, weight_bytes_per_token
+    from runtime.bench import (copy_bandwidth, device_name, engine_method, graph_methods, hf_generate, measure,
+                               print_report, weight_bytes_per_token)
     from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
@@ -131,29 +130,17 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
     ar_engine = Engine(ours, None, cfg)
     references = {tuple(p): p + ar_engine.generate(p, max_new_tokens + budget.depth + 1, params).tokens
                   for p in prompts}
-
-    def ours_method(engine: Engine):
-        def run(ids, gen):
-            out = engine.generate(ids, max_new_tokens, params, gen, ())
-            return out.tokens, out
-        return run
+    replay = lambda: ReplayDrafter(vocab, references, accept_rate, seed)  # noqa: E731
 
     methods = {"hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, (), gen), None),
-               "ours_ar": ours_method(ar_engine)}
+               "ours_ar": engine_method(ar_engine, max_new_tokens, params, ()),
+               "ours_spec": engine_method(Engine(ours, replay(), cfg), max_new_tokens, params, ())}
     capture_s = None
     on_gpu = torch.device(device).type == "cuda"
-    if graphs and on_gpu:
-        from runtime.cuda_graphs import GraphedGreedyDecoder
-
+    if graphs and on_gpu:  # the decode graph is captured here, the verify graphs on first use (the warm-up)
         t0 = time.perf_counter()
-        decoder = GraphedGreedyDecoder(ours, max_seq_len)
+        graph_methods(methods, ours, cfg, replay, max_new_tokens, params, ())
         capture_s = time.perf_counter() - t0
-        methods["ours_ar_graph"] = lambda ids, gen: (decoder.generate(ids, max_new_tokens), None)
-    drafter = ReplayDrafter(vocab, references, accept_rate, seed)
-    methods["ours_spec"] = ours_method(Engine(ours, drafter, cfg))
-    if graphs and on_gpu:  # graphs captured on first use: the warm-up generation
-        graphed = Engine(ours, ReplayDrafter(vocab, references, accept_rate, seed), replace(cfg, static_verify=True))
-        methods["ours_spec_graph"] = ours_method(graphed)
 
     outputs: dict[str, list[list[int]]] = {}
     bandwidth = copy_bandwidth(1 << 30, 10, device) if on_gpu else copy_bandwidth()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
-# Optional: FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend.
+# Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
+# FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -11,6 +12,10 @@ python3 -m kernels.gpu_check --out "$OUT/kernels.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --out "$OUT/smollm2_bf16.json"
 python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --out "$OUT/llama3_8b_bf16.json"
+if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
+  python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
+    ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --out "$OUT/real_bf16.json"
+fi
 if [ -n "$FLASHINFER_WHEELS" ]; then
   echo "== flashinfer"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fi "$FLASHINFER_WHEELS"/*.whl \

@@ -120,7 +120,7 @@ def test_bench_refuses_a_bundle_for_another_target(tmp_path):
 
 @pytest.mark.slow
 def test_bench_cli_writes_report(tmp_path):
-    (tmp_path / "p.txt").write_text("Say hello.\n")
+    (tmp_path / "p.txt").write_text('Say hello.\n{"ids": [1, 4093, 198, 19556, 30, 2, 198]}\n')  # ids: as they are
     res = pipeline("bench", "--drafter", "ngram", "--prompts", "p.txt", "--max-new-tokens", "8", "--dtype", "float32",
                    "--out", "b.json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -140,11 +140,13 @@ def test_bench_prompts_file_lines_and_its_errors(tmp_path):
     from pipeline.cli import _bench_prompts
 
     good = tmp_path / "good.jsonl"
-    good.write_text('Say hi.\n\n{"prompt": "Count to 3."}\n')
-    assert _bench_prompts(good) == ["Say hi.", "Count to 3."]
+    good.write_text('Say hi.\n\n{"prompt": "Count to 3."}\n{"ids": [1, 9, 2]}\n')
+    assert _bench_prompts(good) == ["Say hi.", "Count to 3.", [1, 9, 2]]
     for name, text, why in [("nofield.jsonl", 'ok\n{"x": 1}\n', ":2: a JSON line without a string 'prompt'"),
                             ("broken.jsonl", '{"prompt": \n', ":1: a JSON line"),
                             ("number.jsonl", '{"prompt": 3}\n', ":1: a JSON line"),
+                            ("badids.jsonl", '{"ids": [1, -2]}\n', ":1: a JSON line"),
+                            ("noids.jsonl", '{"ids": []}\n', ":1: a JSON line"),
                             ("empty.txt", "\n  \n", ": no prompts")]:
         (tmp_path / name).write_text(text)
         with pytest.raises(DraftsmithError, match=re.escape(f"{tmp_path / name}{why}")):

@@ -20,8 +20,11 @@ def test_static_decode_step_equals_the_engine(smollm2_shape):
     engine = Engine(model, None, EngineConfig(max_seq_len=128, adaptive=False))
     decoder = GraphedGreedyDecoder(model, max_len=128, use_graph=False)
     for prompt in random_prompts(model.config.vocab_size, 2, seed=3):
-        expected = engine.generate(prompt, 16, SamplingParams(), stop_ids=()).tokens
-        assert decoder.generate(prompt, 16) == expected
+        expected = engine.generate(prompt, 40, SamplingParams(), stop_ids=()).tokens
+        assert decoder.generate(prompt, 40) == expected
+        stop = (expected[20],)  # the stop check runs every STOP_CHECK tokens: the output still ends at the stop
+        stopped = engine.generate(prompt, 40, SamplingParams(), stop_ids=stop).tokens
+        assert len(stopped) <= 21 and decoder.generate(prompt, 40, stop) == stopped
 
 
 def test_graphs_need_a_cuda_model(smollm2_shape):

@@ -57,8 +57,8 @@ class Candidates:
         base_logp = self.logp[parent] if parent >= 0 else 0.0
         ceiling = self.eff[parent] if parent >= 0 else 0.0
         new = []
-        for index in draw_children(probs, k, params, generator).tolist():
-            p = float(probs[index])
+        drawn = draw_children(probs, k, params, generator)
+        for index, p in zip(drawn.tolist(), probs[drawn].tolist()):  # two host reads, not one per child (GPU)
             if p <= 0:
                 break
             score = base_logp + math.log(p)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import platform
 import time
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import torch

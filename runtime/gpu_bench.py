@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+
 import torch
 
 from runtime.drafter import DraftBudget, Drafter

@@ -103,6 +103,11 @@ CUDA_SDPA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _no_context = contextlib.nullcontext()
 
 
+def sdpa_kernels(device: torch.device):
+    """Context in which SDPA calls on `device` pick our kernels: CUDA_SDPA_KERNELS on CUDA, torch's choice elsewhere."""
+    return sdpa_kernel(CUDA_SDPA_KERNELS) if device.type == "cuda" else _no_context
+
+
 class SdpaBackend(AttentionBackend):
     """torch SDPA: the CPU path and the GPU reference. Sparse verification masks the skipped keys, so it gives
     the sparse result exactly but does not save the reads themselves."""
@@ -123,7 +128,7 @@ class SdpaBackend(AttentionBackend):
             mask_g = self._additive(mask, qg.shape[2] // q.shape[2], dtype)
         else:
             qg, mask_g = _grouped(q, keys, mask, keep)
-        with sdpa_kernel(CUDA_SDPA_KERNELS) if q.is_cuda else _no_context:
+        with sdpa_kernels(q.device):
             out = F.scaled_dot_product_attention(qg.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask_g)
         return out.to(q.dtype).reshape(q.shape)
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
-from runtime.attention import CUDA_SDPA_KERNELS
+from runtime.attention import sdpa_kernels
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer, apply_rope, attention_mask
 
@@ -64,21 +63,21 @@ class GraphedGreedyDecoder:
         visible = (self.key_slot <= pos[0, 0]).view(1, 1, 1, self.max_len)
         slot = pos[0]
         x = m.tok_embeddings(self.token)
-        for i, block in enumerate(m.layers):
-            a = block.attention
-            qkv = a.wqkv(block.attention_norm(x)).view(1, 1, H + 2 * Hkv, D)
-            qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
-            if a.q_norm is not None:
-                qk = torch.cat([a.q_norm(qk[:, :, :H]), a.k_norm(qk[:, :, H:])], dim=2)
-            q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
-            keys, values = cache.k[i], cache.v[i]  # [1, Hkv, max_len, D] views of the static cache
-            keys.index_copy_(2, slot, k.transpose(1, 2))
-            values.index_copy_(2, slot, v.transpose(1, 2))
-            qg = q.reshape(1, Hkv, H // Hkv, D)  # grouped-query: each kv head's query heads as rows
-            with sdpa_kernel(CUDA_SDPA_KERNELS):  # the kernel the eager engine uses: the same rounding
+        with sdpa_kernels(x.device):  # the kernels the eager engine uses: the same rounding
+            for i, block in enumerate(m.layers):
+                a = block.attention
+                qkv = a.wqkv(block.attention_norm(x)).view(1, 1, H + 2 * Hkv, D)
+                qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
+                if a.q_norm is not None:
+                    qk = torch.cat([a.q_norm(qk[:, :, :H]), a.k_norm(qk[:, :, H:])], dim=2)
+                q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
+                keys, values = cache.k[i], cache.v[i]  # [1, Hkv, max_len, D] views of the static cache
+                keys.index_copy_(2, slot, k.transpose(1, 2))
+                values.index_copy_(2, slot, v.transpose(1, 2))
+                qg = q.reshape(1, Hkv, H // Hkv, D)  # grouped-query: each kv head's query heads as rows
                 o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
-            x = x + a.wo(o.reshape(1, 1, H * D))
-            x = x + block.feed_forward(block.ffn_norm(x))
+                x = x + a.wo(o.reshape(1, 1, H * D))
+                x = x + block.feed_forward(block.ffn_norm(x))
         logits = m.output(m.norm(x))
         nxt = logits[0, -1].argmax().view(1)
         self.out.index_copy_(0, self.step, nxt)

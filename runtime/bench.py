@@ -126,7 +126,7 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
                   stops: tuple[int, ...]) -> list[str]:
     """Add the CUDA-graph rows to `methods`: `ours_ar_graph` (greedy decode, the one-token step one graph replay;
     runtime.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every verify
-    size a graph: EngineConfig.static_verify). Returns why a row was left out, if one was."""
+    size a graph: EngineConfig.static_verify). Returns notes on the rows: why one was left out or differs."""
     from runtime.cuda_graphs import GraphedGreedyDecoder
 
     notes = []
@@ -137,12 +137,24 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
         notes.append("ours_ar_graph left out: the graphed decoder is greedy only")
     if drafter is None:
         return notes
-    try:
-        static = replace(cfg, static_verify=True)
-    except ValueError as e:  # a quantised KV cache or SpecAttn: the static verify step has neither
-        return notes + [f"ours_spec_graph left out: {e}"]
+    static, why = static_verify_config(cfg)
+    if static is None:
+        return notes + [f"ours_spec_graph left out: {why}"]
     methods["ours_spec_graph"] = engine_method(Engine(target, drafter(), static), max_new_tokens, params, stops)
-    return notes
+    return notes + ([why] if why else [])
+
+
+def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig | None, str]:
+    """The engine config of the `ours_spec_graph` row, and a note: a quantised KV cache has no static step, so that
+    row runs full-precision KV (as ours_ar_graph always does) and its tokens are compared with ours_ar_graph's;
+    SpecAttn's sparse verification has no static step either, and then there is no row (None)."""
+    if cfg.sparse is not None:
+        return None, "SpecAttn sparse verification has no static (CUDA-graph) step"
+    if cfg.kv_scheme is None:
+        return replace(cfg, static_verify=True), ""
+    return (replace(cfg, kv_scheme=None, static_verify=True),
+            f"graph rows run a full-precision KV cache (the {cfg.kv_scheme} KV cache has no static step): "
+            "ours_spec_graph is lossless if it equals ours_ar_graph, ours_ar runs the quantised cache")
 
 
 def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool,
@@ -184,6 +196,9 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
         r["speedup_vs_ours_ar"] = r["tokens_per_s"] / results["ours_ar"]["tokens_per_s"]
         # greedy output must not depend on the method; sampled output differs by construction
         r["same_tokens_as_ours_ar"] = outputs[name] == outputs["ours_ar"] if compare_tokens else None
+    if compare_tokens and {"ours_spec_graph", "ours_ar_graph"} <= results.keys():  # the graph rows' own pair
+        same = outputs["ours_spec_graph"] == outputs["ours_ar_graph"]
+        results["ours_spec_graph"]["same_tokens_as_ours_ar_graph"] = same
     return results
 
 
@@ -259,3 +274,5 @@ def print_report(report: dict) -> None:
                   f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s; floor "
                   f"{report['floor_ms_per_token']:.1f} ms/token ({report['weight_bytes_per_token'] / 1e6:.0f} MB); "
                   f"our AR decode at {100 * report['ours_ar_fraction_of_floor']:.0f}% of the floor")
+    for note in report.get("notes", []):
+        console.print(f"note: {note}")

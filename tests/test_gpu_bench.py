@@ -3,6 +3,8 @@ graphs capture (run eagerly here), both checked token for token against our engi
 import pytest
 import torch
 
+from runtime.attention import SpecAttnConfig
+from runtime.bench import static_verify_config
 from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier
 from runtime.engine import Engine, EngineConfig
 from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
@@ -85,6 +87,15 @@ def test_engine_with_static_verify_is_lossless(smollm2_shape):
 def test_static_verify_needs_a_dense_full_precision_cache():
     with pytest.raises(ValueError, match="static_verify needs dense verification"):
         EngineConfig(static_verify=True, kv_scheme="int8")
+
+
+def test_graph_rows_run_a_quantised_kv_bundle_in_full_precision_and_leave_sparse_out():
+    static, note = static_verify_config(EngineConfig(kv_scheme="int8", kv_recent=32, lookup=4))
+    assert static.static_verify and static.kv_scheme is None and static.lookup == 4
+    assert "int8" in note and "ours_ar_graph" in note
+    assert static_verify_config(EngineConfig()) == (EngineConfig(static_verify=True), "")
+    static, note = static_verify_config(EngineConfig(sparse=SpecAttnConfig(layer_map=(0,), top_p=0.9)))
+    assert static is None and "sparse" in note
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ bucketed to static shapes, one graph per bucket.
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,7 @@ from runtime.attention import sdpa_kernels
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer, apply_rope, attention_mask
 
+Out = TypeVar("Out")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
 STOP_CHECK = 16  # the graphed decoder looks for a stop token every this many tokens
 
@@ -132,6 +135,28 @@ class GraphedGreedyDecoder:
         return tokens if first_stop is None else tokens[:first_stop + 1]
 
 
+def capture(step: Callable[[], Out], warmup: int) -> tuple[torch.cuda.CUDAGraph, Out]:
+    """`step` captured in a CUDA graph (a memory pool of its own: graphs replay in any order), and the static
+    outputs it returns. Warms up off the capture stream first (lazy inits, cuBLAS workspaces); capturing runs
+    nothing, so the graph is replayed once before returning: the outputs hold this call's values."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    graph.replay()
+    return graph, outputs
+
+
+def bucket_for(size: int, buckets) -> int | None:
+    """The smallest bucket >= size; None when there is none."""
+    return next((b for b in buckets if b >= size), None)
+
+
 class _Bucket:
     """Static inputs of one verify size, and the outputs its graph (or eager step) last wrote."""
 
@@ -175,7 +200,7 @@ class StaticVerifier:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         T = tokens.shape[1]
-        size = next((b for b in self.buckets if b >= T), None)
+        size = bucket_for(T, self.buckets)
         if size is None or int(self.cache.lengths[0]) + size > self.cache.max_len:
             return self.model(tokens, self.cache, positions, tree_mask)
         b = self.buckets[size]
@@ -186,8 +211,8 @@ class StaticVerifier:
         b.tree[:T, :T] = b.causal[:T, :T] if tree_mask is None else tree_mask
         if not self.use_graph:
             b.logits, b.hidden = self._step(b)
-        elif b.graph is None:
-            self._capture(b)
+        elif b.graph is None:  # the warm-up's KV writes go to the same slots the replay writes
+            b.graph, (b.logits, b.hidden) = capture(lambda: self._step(b), self.warmup)
         else:
             b.graph.replay()
         return b.logits[:, :T], b.hidden[:, :T]
@@ -199,18 +224,3 @@ class StaticVerifier:
                               always=True)
         out = m.run_placed(b.tokens, cache, b.positions, slots, cache.max_len, mask)
         return out.logits, out.hidden
-
-    def _capture(self, b: _Bucket) -> None:
-        """Warm up off the capture stream (lazy inits, cuBLAS workspaces), then capture; capturing runs nothing,
-        so the step is replayed once for this call's outputs. The warm-up's KV writes go to the same slots the
-        replay writes."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                self._step(b)
-        torch.cuda.current_stream().wait_stream(stream)
-        b.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.graph):  # a pool of its own: buckets replay in any order
-            b.logits, b.hidden = self._step(b)
-        b.graph.replay()

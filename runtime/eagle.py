@@ -18,6 +18,7 @@ from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.kv_cache import KVCache
 from runtime.model import Block, Linear, ModelConfig, Transformer, attention_mask, pack_for_cpu, rope_tables
 from runtime.sampling import SamplingParams
+from runtime.static_draft import StaticEagleChain
 from runtime.tree import DraftTree
 
 
@@ -113,12 +114,19 @@ class EagleDrafter(Drafter):
         self.vocab_size = model.head.vocab_size
         self.cache = model.new_cache(1, max_len)
         self.pending: list[tuple[Tensor, Tensor]] = []  # committed pairs not yet in the drafter cache
+        self.cached = 0  # pairs in the drafter cache, kept on the host: reading cache.lengths waits for a GPU
         self.attention: Tensor | None = None  # [1, heads, prefix] of the last propose, see draft_attention
+        self.static: StaticEagleChain | None = None  # greedy chains at static shapes, see use_static
+
+    def use_static(self, use_graph: bool) -> None:
+        """Propose greedy chains (width 1) at static shapes, as CUDA graphs where `use_graph`."""
+        self.static = StaticEagleChain(self.model, self.cache, use_graph=use_graph)
 
     def reset(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel() - 1:
             raise ValueError("EagleDrafter.reset needs one target feature per token but the last")
         self.cache.reset()
+        self.cached = 0
         self.pending = [(tokens[1:], features)]
         self.attention = None
 
@@ -134,12 +142,20 @@ class EagleDrafter(Drafter):
         m, head = self.model, self.model.head
         toks = torch.cat([t for t, _ in self.pending]).long()
         feats = torch.cat([f for _, f in self.pending])
-        track = self.track_attention
+        self.pending = []
+        T, track = toks.numel(), self.track_attention
+        if (self.static is not None and params.greedy and budget.width == 1 and budget.max_nodes >= budget.depth
+                and not track and self.static.fits(T, budget.depth, self.cached)):
+            chain = self.static(toks, feats, budget.depth).clone()
+            self.cache.lengths += T  # fits() checked the room: no host read, unlike KVCache.advance
+            self.cached += T
+            self.attention = None
+            return DraftTree(chain, torch.arange(-1, budget.depth - 1, device=chain.device))
         out, weights = m.causal_step(toks[None], feats[None], self.cache, want_weights=track)
         out = out[0]
-        self.cache.advance(toks.numel())
-        self.pending = []
-        n = int(self.cache.lengths[0])  # pairs in the cache == position of the root token
+        self.cache.advance(T)
+        self.cached += T
+        n = self.cached  # pairs in the cache == position of the root token
         # the root's and every expanded node's attention on slots 0..n-2: the target's prefix keys 1..n-1 (slot n-1
         # is the root itself, a token the target verifies rather than reads from its cache)
         prefix_weights = weights[0, :, -1, : n - 1].clone() if track else None

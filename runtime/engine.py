@@ -44,7 +44,8 @@ class EngineConfig:
     kv_scheme: str | None = None  # quantised KV history (runtime.quant_kv_cache): int8 | int4 | hier-int4
     kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
     # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.cuda_graphs.StaticVerifier;
-    # off CUDA the static step runs eagerly, reading the whole cache: for tests). Dense, full-precision KV only.
+    # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy chains
+    # likewise (runtime.static_draft). Dense, full-precision KV only.
     static_verify: bool = False
     # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.ngram) are
     # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
@@ -127,8 +128,11 @@ class Engine:
             drafter.track_attention = cfg.sparse is not None
         self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup) \
             if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
-        self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda") \
-            if cfg.static_verify else None
+        self.static = None
+        if cfg.static_verify:
+            self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda")
+            if drafter is not None:
+                drafter.use_static(use_graph=target.device.type == "cuda")
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),

@@ -1,0 +1,80 @@
+"""The EAGLE drafter's greedy chains at static shapes (runtime/static_draft.py, captured as CUDA graphs on a GPU),
+run eagerly here: the same chains and cache as the eager propose, and through the Engine the same tokens and tau."""
+import pytest
+import torch
+
+from runtime.drafter import DraftBudget
+from runtime.eagle import EagleDrafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+from runtime.static_draft import StaticEagleChain
+from train.recipes import build_eagle
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["full-vocab", "reduced-vocab"])
+def eagle(target, request):
+    torch.manual_seed(0)
+    keep = torch.arange(0, target.config.vocab_size, 2) if request.param else None
+    model = build_eagle(target, keep, from_target=False).eval()
+    with torch.no_grad():  # large random weights: every token, position and visible key moves the argmax
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.requires_grad_(False)
+
+
+@pytest.mark.parametrize("buckets", [(1, 2, 4, 8, 16), (1, 2)], ids=["bucketed", "small-buckets-fall-back"])
+def test_static_chain_proposes_what_the_eager_drafter_does(target, eagle, buckets, monkeypatch):
+    ids = torch.randint(0, target.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats = target.run(ids[None], target.new_cache(1, 64), torch.arange(40)[None]).hidden[0]
+    eager, static = EagleDrafter(eagle, 64), EagleDrafter(eagle, 64)
+    static.static = StaticEagleChain(eagle, static.cache, buckets=buckets, use_graph=False)
+    for d in (eager, static):
+        d.reset(ids[:13], feats[:12])  # 12 pending pairs: bucket 16, or the eager path with buckets (1, 2)
+    recorded = []  # what the draft head reads: the root's and every chain node's predicted feature
+    head = eagle.head.forward
+    monkeypatch.setattr(eagle.head, "forward", lambda h: recorded.append(h.reshape(-1, h.shape[-1])) or head(h))
+    pos = 13
+    for depth, n_commit in [(3, 1), (2, 3), (4, 2), (1, 5), (3, 1), (2, 2)]:
+        trees, features = [], []
+        for d in (eager, static):
+            recorded.clear()
+            trees.append(d.propose(DraftBudget(depth), SamplingParams()))
+            features.append(torch.cat(recorded))
+        torch.testing.assert_close(features[1], features[0])  # far more sensitive than the argmax tokens
+        assert trees[1].tokens.tolist() == trees[0].tokens.tolist() and len(trees[0]) == depth
+        assert trees[1].parents.tolist() == trees[0].parents.tolist() == list(range(-1, depth - 1))
+        for d in (eager, static):
+            d.commit(ids[pos:pos + n_commit], feats[pos - 1:pos - 1 + n_commit])
+        pos += n_commit
+    n = int(eager.cache.lengths[0])
+    assert n == int(static.cache.lengths[0]) == static.cached == pos - 1 - 2  # the last commit is still pending
+    torch.testing.assert_close(static.cache.k[:, :, :, :n], eager.cache.k[:, :, :, :n])
+
+
+def test_static_chain_fits_its_buckets_and_the_cache(eagle):
+    chain = StaticEagleChain(eagle, eagle.new_cache(1, 20), buckets=(1, 2, 4, 8, 16), use_graph=False)
+    assert chain.fits(12, 3, 0) and not chain.fits(12, 3, 5)  # padded to 16 rows
+    assert chain.fits(3, 2, 15) and not chain.fits(3, 3, 15)  # the chain's own slots
+    assert not chain.fits(17, 1, 0)  # no bucket
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA drafter"):
+        StaticEagleChain(eagle, eagle.new_cache(1, 20))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_static_drafting_generates_the_same(target, eagle, temperature):
+    """Greedy: the static chain and verify give the eager engine's tokens and tau. Sampling drafts eagerly (the
+    static chain is greedy only), so with the same seed the tokens are the same too."""
+    prompt = torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    gens = [Engine(target, EagleDrafter(eagle, 128),
+                   EngineConfig(max_seq_len=128, budget=DraftBudget(3), adaptive=False, static_verify=flag))
+            .generate(prompt, 40, SamplingParams(temperature=temperature), torch.Generator().manual_seed(3))
+            for flag in (False, True)]
+    assert gens[1].tokens == gens[0].tokens
+    assert gens[1].metrics.target_forwards == gens[0].metrics.target_forwards

@@ -32,14 +32,26 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a gra
 STOP_CHECK = 16  # the graphed decoder looks for a stop token every this many tokens
 
 
+def require_cuda(device: torch.device, use_graph: bool, what: str = "model") -> None:
+    if use_graph and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA {what}, got device {device}")
+
+
+def check_static_inputs(who: str, cache: KVCache, buckets: tuple[int, ...]) -> None:
+    """A static step writes one sequence's full-precision KV at bucketed sizes."""
+    if cache.batch != 1 or type(cache) is not KVCache:
+        raise ValueError(f"{who} needs a batch-1, full-precision KVCache")
+    if not buckets or min(buckets) < 1:
+        raise ValueError(f"{who}: buckets={buckets}, expected sizes >= 1")
+
+
 class GraphedGreedyDecoder:
     """`generate(prompt_ids, max_new_tokens)` -> new tokens, greedy. `use_graph=False` runs the same static-shape
     step eagerly (to separate what capture buys from what the static step itself changes)."""
 
     def __init__(self, model: Transformer, max_len: int, use_graph: bool = True, warmup: int = 3):
         c = model.config
-        if model.device.type != "cuda" and use_graph:
-            raise ValueError(f"CUDA graphs need a CUDA model, got device {model.device}")
+        require_cuda(model.device, use_graph)
         if c.sliding_window is not None:
             raise ValueError("GraphedGreedyDecoder does not support sliding-window attention")
         if max_len > model.max_seq_len:
@@ -187,12 +199,8 @@ class StaticVerifier:
 
     def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS,
                  use_graph: bool = True, warmup: int = 2):
-        if use_graph and model.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model, got device {model.device}")
-        if cache.batch != 1 or type(cache) is not KVCache:
-            raise ValueError("StaticVerifier needs a batch-1, full-precision KVCache")
-        if not buckets or min(buckets) < 1:
-            raise ValueError(f"StaticVerifier: buckets={buckets}, expected sizes >= 1")
+        require_cuda(model.device, use_graph)
+        check_static_inputs("StaticVerifier", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
         self.buckets = {size: _Bucket(size, model.device) for size in sorted(set(buckets))}
         self.offsets = torch.arange(max(buckets), device=model.device)

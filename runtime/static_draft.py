@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.cuda_graphs import BUCKETS, bucket_for, capture
+from runtime.cuda_graphs import BUCKETS, bucket_for, capture, check_static_inputs, require_cuda
 from runtime.dynamic_tree import tree_probs
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams
@@ -31,10 +31,8 @@ class StaticEagleChain:
                  warmup: int = 2):
         """`model`: a runtime.eagle.EagleModel; `cache`: its KV cache (batch 1, full precision)."""
         device = model.fc.weight.device
-        if use_graph and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA drafter, got device {device}")
-        if cache.batch != 1 or type(cache) is not KVCache:
-            raise ValueError("StaticEagleChain needs a batch-1, full-precision KVCache")
+        require_cuda(device, use_graph, "drafter")
+        check_static_inputs("StaticEagleChain", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
         self.buckets = tuple(sorted(set(buckets)))
         largest = self.buckets[-1]

@@ -22,7 +22,7 @@ def eagle(target, request):
     torch.manual_seed(0)
     keep = torch.arange(0, target.config.vocab_size, 2) if request.param else None
     model = build_eagle(target, keep, from_target=False).eval()
-    with torch.no_grad():  # large random weights: every token, position and visible key moves the argmax
+    with torch.no_grad():  # random weights, not the pass-through init: every token, position and key matters
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     return model.requires_grad_(False)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import cpu_gemm
 from runtime.attention import attention_weights, pick_backend
 from runtime.kv_cache import KVCache
 from runtime.precision import cpu_info
@@ -107,11 +108,19 @@ class ForwardOutput:
 def packed_min_fp32_rows(cpu_vendor: str) -> int:
     """From how many rows an fp32 product runs prepacked. Fewer run faster through MKL on Intel CPUs (see
     Packable); elsewhere MKL takes a generic path: on an AVX2 AMD EPYC a SmolLM2 decode step took 76 ms through
-    MKL and 52 ms prepacked (2 rows: 116 against 65), so there every product is prepacked."""
+    MKL and 52 ms prepacked (2 rows: 116 against 65), so there every product is prepacked (unless own_fp32_kernel)."""
     return 4 if cpu_vendor == "GenuineIntel" else 1
 
 
+def own_fp32_kernel(cpu_vendor: str) -> bool:
+    """Whether fp32 inference products run through our kernel (kernels/cpu_gemm) instead of oneDNN: on the AVX2 AMD
+    EPYC it takes a SmolLM2 forward's products from 34 to 22 ms at 1 row and from 53 to 31 ms at 7 (its docstring
+    has the table). Intel CPUs keep MKL and oneDNN, which were tuned there; ours is not measured on one."""
+    return cpu_vendor == "AuthenticAMD"
+
+
 PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_info("vendor_id"))
+OWN_FP32_KERNEL = own_fp32_kernel(cpu_info("vendor_id"))
 # oneDNN's prepacked bf16 product gives every row exactly its one-row result up to 32 rows and switches to a kernel
 # that rounds differently beyond: a verify of more rows goes in 32-row slices, or greedy output would drift from AR
 PACKED_EXACT_ROWS = 32
@@ -126,19 +135,30 @@ class Packable:
 
     In fp32 on Intel CPUs, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step on Sapphire Rapids: 42
     ms against 48 prepacked; at 4 rows 68 against 55), so those take the plain path (PACKED_MIN_FP32_ROWS); in
-    bf16 the prepacked kernel wins from one row on (an unpacked bf16 product is slower than an fp32 one here)."""
+    bf16 the prepacked kernel wins from one row on (an unpacked bf16 product is slower than an fp32 one here).
+    Where OWN_FP32_KERNEL, fp32 weights are not copied at all: kernels/cpu_gemm reads the plain weight."""
 
     weight: Tensor
     packed: Tensor | None = None
+    own_fp32: bool = False  # fp32 inference products through kernels/cpu_gemm (reads the live weight: never stale)
 
     def pack(self) -> None:
+        if OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight):
+            self.own_fp32 = True
+            return
         # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
 
+    def unpack(self) -> None:
+        self.packed, self.own_fp32 = None, False
+
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        # the packed op has no backward: it serves only forwards no gradient flows through
-        if self.packed is not None and x.device.type == "cpu" and x.dtype == self.packed.dtype \
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+        # neither fast path has a backward: they serve only forwards no gradient flows through
+        inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
+                                                    and (x.requires_grad or self.weight.requires_grad))
+        if self.own_fp32 and inference and x.dtype == torch.float32:
+            return cpu_gemm.small_linear(x, self.weight, bias)  # any row count: one rounding for decode and verify
+        if self.packed is not None and inference and x.dtype == self.packed.dtype \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
             if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:
                 rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import Linear, ModelConfig, Taps, Transformer, onednn_packs, packed_min_fp32_rows
+from runtime.model import (Linear, ModelConfig, Taps, Transformer, onednn_packs, own_fp32_kernel,
+                           packed_min_fp32_rows)
 from runtime.tree import DraftTree
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -209,17 +210,18 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    assert all(m.packed is not None for m in linears)
+    assert all(m.packed is not None or m.own_fp32 for m in linears)  # own_fp32: kernels/cpu_gemm (AMD)
     ids = torch.arange(7)[None]
     packed = model(ids, model.new_cache(), ids)[0]
     for m in linears:
-        m.packed = None
+        m.unpack()
     torch.testing.assert_close(packed, model(ids, model.new_cache(), ids)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_fp32_products_are_prepacked_from_one_row_except_on_intel():
     assert packed_min_fp32_rows("GenuineIntel") == 4  # MKL wins for 1..3 rows there
     assert packed_min_fp32_rows("AuthenticAMD") == packed_min_fp32_rows("") == 1
+    assert own_fp32_kernel("AuthenticAMD") and not own_fp32_kernel("GenuineIntel")  # measured on AMD only
 
 
 def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypatch):
@@ -228,6 +230,7 @@ def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypa
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     monkeypatch.setattr("runtime.model.PACKED_MIN_FP32_ROWS", 4)
+    monkeypatch.setattr("runtime.model.OWN_FP32_KERNEL", False)
     linear = Linear(16, 8).requires_grad_(False)
     linear.pack()
     calls = []

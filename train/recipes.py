@@ -180,7 +180,7 @@ def build_lm_lora(target: Transformer, base: str | Path, rank: int) -> nn.Module
                          f"{target.config.vocab_size}: the drafter must share the target's tokenizer")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear) and m is not model.output}
     for m in linears.values():
-        m.packed = None  # train on the plain weights: prepacked copies would go stale when the adapters merge
+        m.unpack()  # train on the plain weights: prepacked copies would go stale when the adapters merge
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                       target_modules=sorted({name.rsplit(".", 1)[-1] for name in linears}))
     return get_peft_model(model, lora).train()

@@ -37,7 +37,7 @@ class CalibrateSettings:
     schemes: tuple[str, ...] = ("int8", "int4-g128", "int4-g64", "int4-g32")
     tau_prompts: int = 4
     tau_new_tokens: int = 32
-    budget_prompts: int = 4  # timed per draft budget candidate; held out from validate's prompts where val allows
+    budget_prompts: int = 8  # the draft budget finalists run (successive halving); not validate's where val allows
     budget_new_tokens: int = 64
     # the chosen budget's tau should clear validate.gate.min_tau by this fraction on these few prompts, so that it
     # clears it on validate's prompts too (budget_calibration.choose_budget)

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from export.layer_map import DENSE, LayerMap
-from pipeline.budget_calibration import candidates, choose_budget
+from pipeline.budget_calibration import candidates, choose_budget, successive_halving
 from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
 from pipeline.kv_calibration import choose_kv_scheme, decode_ms, kv_message, quantized_nll
@@ -180,6 +180,7 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     gate = ctx.cfg.validate.gate
     assert (budget["min_tau"], budget["min_speedup"], budget["tau_margin"]) == (
         gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
+    assert {r["prompts"] for r in budget["sweep"]} == {budget["prompts"]} == {FAST.budget_prompts}  # one round
     fastest = choose_budget(budget["sweep"], gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
     assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup")}
     assert m["budget_speedup"] == fastest["tokens_per_s"] / budget["tokens_per_s_ar"]
@@ -198,6 +199,25 @@ def test_the_budget_is_the_fastest_that_clears_the_gate_floors():
     weak = [{"tokens_per_s": 19.1, "speedup": 1.25, "tau": 1.56}, {"tokens_per_s": 14.2, "speedup": 0.93, "tau": 1.71}]
     assert choose_budget(weak, 1.5, min_speedup=1.0, tau_margin=0.1) is weak[0]
     assert choose_budget(weak, 1.5, min_speedup=0.9, tau_margin=0.1) is weak[1]
+
+
+def test_successive_halving_drops_the_less_preferred_half_each_round():
+    rates = [10.0, 30.0, 20.0, 40.0, 25.0]  # tokens per second of candidates 0..4; plain decoding (None) 15
+    calls = []
+
+    def run(i, prompt):
+        calls.append((prompt, i))
+        return 10 / (15.0 if i is None else rates[i]), 10, 5
+
+    def rank(t, base):
+        return t["new_tokens"] / t["seconds"] / (base["new_tokens"] / base["seconds"])
+
+    totals, baseline = successive_halving(5, ["a", "b", "c", "d", "e"], run, rank, per_round=2)
+    assert [t["prompts"] for t in totals] == [2, 5, 2, 5, 4]  # 5 -> 3 (3, 1, 4) -> 2 (3, 1) after each round
+    assert calls[:6] == [("a", None), ("a", 0), ("a", 1), ("a", 2), ("a", 3), ("a", 4)]  # interleaved per prompt
+    assert calls[12:16] == [("c", None), ("c", 3), ("c", 1), ("c", 4)]  # the preferred first
+    assert baseline["prompts"] == 5 and totals[3]["baseline"]["prompts"] == 5 and totals[0]["baseline"]["prompts"] == 2
+    assert rank(totals[3], totals[3]["baseline"]) == pytest.approx(40 / 15)
 
 
 def test_budget_candidates_stay_within_the_configured_budget():

@@ -3,6 +3,8 @@
 // Every output y[m, n] is one chain of 8-lane FMAs over k in order, then the same horizontal sum and the bias,
 // whatever M, the tile shape or the thread split: a row's result does not depend on the other rows (batch
 // invariance), so a tree verify gives each token exactly its one-token decode result.
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,6 +14,7 @@ namespace {
 
 constexpr int MB = 3;  // rows of x per tile: 3 x 4 accumulators + 3 x vectors fit the 16 ymm registers
 constexpr int NB = 4;  // rows of w per tile
+constexpr int64_t SLICE = 64;  // rows of x per pass over the weights: 64 x 1536 fp32 is 384 KiB
 constexpr int PREFETCH_BYTES = 512;  // how far ahead in the next tile's weight rows (measured: 0 is slower)
 
 inline float hsum(__m256 v) {
@@ -70,10 +73,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   const float* wp = w.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / NB, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) columns<NB>(xp, wp, bp, yp, M, K, N, b * NB);
-  });
-  for (int64_t n = N / NB * NB; n < N; ++n) columns<1>(xp, wp, bp, yp, M, K, N, n);  // N % 4 leftover rows of w
+  for (int64_t m0 = 0; m0 < M; m0 += SLICE) {  // many rows (a prefill) go in slices that stay in L2
+    const int64_t rows = std::min(SLICE, M - m0);
+    const float* xs = xp + m0 * K;
+    float* ys = yp + m0 * N;
+    at::parallel_for(0, N / NB, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) columns<NB>(xs, wp, bp, ys, rows, K, N, b * NB);
+    });
+    for (int64_t n = N / NB * NB; n < N; ++n) columns<1>(xs, wp, bp, ys, rows, K, N, n);  // N % 4 leftover rows of w
+  }
   return y;
 }
 

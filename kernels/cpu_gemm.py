@@ -1,14 +1,15 @@
 """Small-batch fp32 products on AVX2 CPUs: our own C++ kernel (cpu_gemm.cpp), F.linear its torch reference.
 
 Why our own: decode multiplies 1 row and a tree verify 2..41 rows by each weight, and on an AVX2 AMD EPYC the
-library kernels grow fast with the rows. All of a SmolLM2-135M forward's products, fp32, median of 15 on the
+library kernels grow fast with the rows. All of a SmolLM2-135M forward's products, fp32, median of 5-15 on the
 2-core AMD host (scratch micro-benchmark; `pipeline bench` measures the end-to-end effect):
 
-    rows                      1     2     4     7    11    16    32    64
-    oneDNN prepacked, ms     34    31    36    53    55    61   103   169
-    this kernel, ms          22    22    28    31    39    45    72   148
+    rows                      1     2     4     7    11    16    32    64    96   128  1024
+    oneDNN prepacked, ms     34    31    36    53    55    61    96   156   202   288  2036
+    this kernel, ms          22    22    28    31    39    45    79   136   229   318  2582
 
-It streams each weight row once per call, keeping a tile of 4 weight rows in L1 while every row of x passes over it.
+It streams each weight row once per 64 rows of x, keeping a tile of 4 weight rows in L1 while those rows pass
+over it. From ~96 rows on the library's blocked kernel computes faster (runtime.model.OWN_MAX_ROWS).
 
 It is also batch-invariant: every output is the same chain of FMAs over k whatever the number of rows, so a verify
 row equals its one-row decode bit for bit (tests/test_cpu_gemm.py), which greedy losslessness needs.

@@ -121,6 +121,10 @@ def own_fp32_kernel(cpu_vendor: str) -> bool:
 
 PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_info("vendor_id"))
 OWN_FP32_KERNEL = own_fp32_kernel(cpu_info("vendor_id"))
+# Our kernel serves products of up to this many rows: every decode, verify and short prefill, so a verify of up to
+# 255 draft nodes equals decoding bit for bit. oneDNN takes longer prefills and batched feature passes: from ~96
+# rows on it is faster (at 1024 rows 2.0 against 2.6 s for a SmolLM2 forward's products on the AMD host).
+OWN_MAX_ROWS = 256
 # oneDNN's prepacked bf16 product gives every row exactly its one-row result up to 32 rows and switches to a kernel
 # that rounds differently beyond: a verify of more rows goes in 32-row slices, or greedy output would drift from AR
 PACKED_EXACT_ROWS = 32
@@ -136,16 +140,14 @@ class Packable:
     In fp32 on Intel CPUs, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step on Sapphire Rapids: 42
     ms against 48 prepacked; at 4 rows 68 against 55), so those take the plain path (PACKED_MIN_FP32_ROWS); in
     bf16 the prepacked kernel wins from one row on (an unpacked bf16 product is slower than an fp32 one here).
-    Where OWN_FP32_KERNEL, fp32 weights are not copied at all: kernels/cpu_gemm reads the plain weight."""
+    Where OWN_FP32_KERNEL, fp32 products of up to OWN_MAX_ROWS rows run through kernels/cpu_gemm instead."""
 
     weight: Tensor
     packed: Tensor | None = None
-    own_fp32: bool = False  # fp32 inference products through kernels/cpu_gemm (reads the live weight: never stale)
+    own_fp32: bool = False  # fp32 inference products of few rows through kernels/cpu_gemm (reads the plain weight)
 
     def pack(self) -> None:
-        if OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight):
-            self.own_fp32 = True
-            return
+        self.own_fp32 = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)
         # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
 
@@ -156,8 +158,8 @@ class Packable:
         # neither fast path has a backward: they serve only forwards no gradient flows through
         inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
                                                     and (x.requires_grad or self.weight.requires_grad))
-        if self.own_fp32 and inference and x.dtype == torch.float32:
-            return cpu_gemm.small_linear(x, self.weight, bias)  # any row count: one rounding for decode and verify
+        if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= OWN_MAX_ROWS * x.shape[-1]:
+            return cpu_gemm.small_linear(x, self.weight, bias)
         if self.packed is not None and inference and x.dtype == self.packed.dtype \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
             if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:

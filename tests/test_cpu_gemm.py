@@ -50,13 +50,17 @@ def test_serves_only_what_it_can_multiply():
 @torch.no_grad()
 def test_linear_routes_fp32_inference_through_it_and_training_around_it(monkeypatch):
     monkeypatch.setattr("runtime.model.OWN_FP32_KERNEL", True)
+    monkeypatch.setattr("runtime.model.OWN_MAX_ROWS", 8)
     linear = Linear(64, 24)
     linear.pack()
-    assert linear.own_fp32 and linear.packed is None  # no copy of the weight
+    assert linear.own_fp32
     calls = []
     monkeypatch.setattr(cpu_gemm, "small_linear", lambda *a: calls.append(a[0].shape) or cpu_gemm.reference(*a))
     x = torch.randn(1, 5, 64)
     linear(x)
+    assert calls == [(1, 5, 64)]
+    many = torch.randn(3, 3, 64)  # 9 rows, more than OWN_MAX_ROWS: the library kernel (prefills)
+    torch.testing.assert_close(linear(many), cpu_gemm.reference(many, linear.weight, linear.bias))
     assert calls == [(1, 5, 64)]
     with torch.enable_grad():  # the kernel has no backward
         linear(x).sum().backward()

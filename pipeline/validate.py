@@ -55,21 +55,34 @@ class Timed:
         return (self.new_tokens - prompts) / max(self.target_forwards, 1)
 
 
-def time_method(run: Generate, prompts: list[list[int]], params: SamplingParams, seed: int) -> Timed:
-    gen = torch.Generator().manual_seed(seed)
-    outputs, seconds, forwards, by_depth = [], 0.0, 0, []
+def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params: SamplingParams,
+                 seed: int) -> dict[str, Timed]:
+    """Every method over all prompts, the methods back to back on each prompt: a machine that slows down for a
+    while (a shared 2-core host does) slows all of them alike instead of whichever ran then. Each method draws
+    from its own generator seeded with `seed`."""
+    gens = {name: torch.Generator().manual_seed(seed) for name in methods}
+    outputs = {name: [] for name in methods}
+    seconds = dict.fromkeys(methods, 0.0)
+    forwards = dict.fromkeys(methods, 0)
+    by_depth = {name: [] for name in methods}
     for ids in prompts:
-        start = time.perf_counter()
-        tokens, metrics = run(ids, params, gen)
-        seconds += time.perf_counter() - start
-        outputs.append(tokens)
-        if metrics is not None:
-            forwards += metrics.target_forwards
-            by_depth.append(metrics.acceptance_by_depth)
+        for name, run in methods.items():
+            start = time.perf_counter()
+            tokens, metrics = run(ids, params, gens[name])
+            seconds[name] += time.perf_counter() - start
+            outputs[name].append(tokens)
+            if metrics is not None:
+                forwards[name] += metrics.target_forwards
+                by_depth[name].append(metrics.acceptance_by_depth)
+    return {name: Timed(outputs[name], sum(map(len, outputs[name])), seconds[name], forwards[name],
+                        mean_by_depth(by_depth[name])) for name in methods}
+
+
+def mean_by_depth(by_depth: list[list[float]]) -> list[float]:
+    """Per-depth acceptance averaged over prompts; a depth that a prompt never offered (e.g. after the engine fell
+    back) has no rate: average the others."""
     depths = max(map(len, by_depth), default=0)
-    # a depth that a prompt never offered (e.g. after the engine fell back) has no rate: average the others
-    mean = [sum(a[d] for a in by_depth if len(a) > d) / sum(len(a) > d for a in by_depth) for d in range(depths)]
-    return Timed(outputs, sum(map(len, outputs)), seconds, forwards, mean)
+    return [sum(a[d] for a in by_depth if len(a) > d) / sum(len(a) > d for a in by_depth) for d in range(depths)]
 
 
 def gate_reasons(metrics: dict, gate: GateCfg) -> list[str]:
@@ -127,8 +140,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
-    timed = {t: {name: time_method(run, prompts, SamplingParams(temperature=t), seed)
-                 for name, run in methods.items()} for t in temperatures}
+    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed) for t in temperatures}
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": {"depth": budget.depth, "width": budget.width, "nodes": budget.max_nodes,
                        "adaptive": engine_cfg.adaptive, "lookup": engine_cfg.lookup}, "timed": timed}

@@ -11,7 +11,7 @@ from pipeline.export_stage import run_export
 from pipeline.home import sha256_file
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
-from pipeline.validate import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate
+from pipeline.validate import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate, time_methods
 from runtime.bundle import MANIFEST, BundleError
 from train.data import TokenizedSet
 
@@ -165,6 +165,26 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
     assert report["gate"]["passed"] and report["gate"]["reasons"] == []
     assert len(report["validation_digest"]) == 64
     assert "| 0.8 |" in (out / REPORT_MD).read_text()
+
+
+def test_methods_are_timed_back_to_back_on_each_prompt():
+    """A slow spell of the machine must hit every method, not whichever ran then: methods interleave per prompt."""
+    calls = []
+
+    class Metrics:
+        target_forwards, acceptance_by_depth = 2, [0.5]
+
+    def method(name, n_tokens):
+        def run(ids, params, gen):
+            calls.append((ids[0], name))
+            return [int(torch.randint(100, (1,), generator=gen))] * n_tokens, None if name == "hf" else Metrics()
+        return run
+
+    timed = time_methods({"spec": method("spec", 3), "hf": method("hf", 1)}, [[7], [8]], None, seed=5)
+    assert calls == [(7, "spec"), (7, "hf"), (8, "spec"), (8, "hf")]
+    assert timed["spec"].new_tokens == 6 and timed["spec"].target_forwards == 4 and timed["hf"].target_forwards == 0
+    assert timed["spec"].acceptance_by_depth == [0.5] and timed["hf"].acceptance_by_depth == []
+    assert timed["spec"].tokens[0][0] == timed["hf"].tokens[0][0]  # each method's own generator, same seed
 
 
 def test_validate_gate_failure_names_tau(exported, tiny_llama_dir):

@@ -31,17 +31,19 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_info(field: str) -> str:
+    """The value of `field` (flags, vendor_id, ...) for the first CPU in /proc/cpuinfo; "" where unknown."""
     try:
-        return next(set(line.split(":", 1)[1].split()) for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith(field))
     except (OSError, StopIteration):
-        return set()
+        return ""
 
 
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernel once per process; False where it cannot run here."""
-    if not {"avx2", "fma"} <= cpu_flags():
+    if not {"avx2", "fma"} <= set(cpu_info("flags").split()):
         return False
     from torch.utils.cpp_extension import load
 

@@ -11,7 +11,6 @@ sampling temperatures. Headline metrics are the worst case over the temperatures
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -57,23 +56,20 @@ class Timed:
 
 def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params: SamplingParams,
                  seed: int) -> dict[str, Timed]:
-    """Every method over all prompts, the methods back to back on each prompt: a machine that slows down for a
-    while (a shared 2-core host does) slows all of them alike instead of whichever ran then. Each method draws
-    from its own generator seeded with `seed`."""
-    gens = {name: torch.Generator().manual_seed(seed) for name in methods}
+    """Every method over all prompts, the methods back to back on each prompt (runtime.bench.interleaved)."""
+    from runtime.bench import interleaved
+
     outputs = {name: [] for name in methods}
     seconds = dict.fromkeys(methods, 0.0)
     forwards = dict.fromkeys(methods, 0)
     by_depth = {name: [] for name in methods}
-    for ids in prompts:
-        for name, run in methods.items():
-            start = time.perf_counter()
-            tokens, metrics = run(ids, params, gens[name])
-            seconds[name] += time.perf_counter() - start
-            outputs[name].append(tokens)
-            if metrics is not None:
-                forwards[name] += metrics.target_forwards
-                by_depth[name].append(metrics.acceptance_by_depth)
+    runs = {name: lambda ids, gen, run=run: run(ids, params, gen) for name, run in methods.items()}
+    for name, elapsed, tokens, metrics in interleaved(runs, prompts, seed):
+        seconds[name] += elapsed
+        outputs[name].append(tokens)
+        if metrics is not None:
+            forwards[name] += metrics.target_forwards
+            by_depth[name].append(metrics.acceptance_by_depth)
     return {name: Timed(outputs[name], sum(map(len, outputs[name])), seconds[name], forwards[name],
                         mean_by_depth(by_depth[name])) for name in methods}
 

@@ -11,7 +11,7 @@ import platform
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -157,30 +157,38 @@ def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig | None, str]:
             "ours_spec_graph is lossless if it equals ours_ar_graph, ours_ar runs the quantised cache")
 
 
+def interleaved(methods: dict[str, Callable], prompts: list, seed: int) -> Iterator[tuple[str, float, list[int], Any]]:
+    """Run every method on each prompt, the methods back to back, yielding (name, seconds, tokens, what else it
+    returned): a machine that slows down for a while (a shared 2-core host does) slows all methods alike instead of
+    whichever ran then. A method is called as run(prompt, generator); each has its own, seeded with `seed`."""
+    gens = {name: torch.Generator().manual_seed(seed) for name in methods}
+    for ids in prompts:
+        for name, run in methods.items():
+            start = time.perf_counter()
+            tokens, extra = run(ids, gens[name])
+            yield name, time.perf_counter() - start, tokens, extra
+
+
 def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool,
             outputs: dict[str, list[list[int]]] | None = None) -> dict:
     """Wall time and tokens of every method over all prompts, after one warm-up generation each. `outputs`, if
     given, receives every method's generated tokens per prompt."""
     for run in methods.values():  # warm-up: allocator, kernels, caches
         run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
-    gens = {name: torch.Generator().manual_seed(seed) for name in methods}
     totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0, "draft_s": 0.0, "verify_s": 0.0,
                      "rollback_s": 0.0} for name in methods}
     outputs = {} if outputs is None else outputs
     outputs.update({name: [] for name in methods})
-    for ids in prompt_ids:  # methods interleaved per prompt: a load change on a shared machine hits all alike
-        for name, run in methods.items():
-            start = time.perf_counter()
-            tokens, out = run(ids, gens[name])
-            t = totals[name]
-            t["seconds"] += time.perf_counter() - start
-            t["new_tokens"] += len(tokens)
-            outputs[name].append(tokens)
-            if out is not None:
-                t["decode_s"] += out.metrics.total_s - out.metrics.prefill_s
-                t["forwards"] += out.metrics.target_forwards
-                for phase in ("draft_s", "verify_s", "rollback_s"):
-                    t[phase] += getattr(out.metrics, phase)
+    for name, seconds, tokens, out in interleaved(methods, prompt_ids, seed):
+        t = totals[name]
+        t["seconds"] += seconds
+        t["new_tokens"] += len(tokens)
+        outputs[name].append(tokens)
+        if out is not None:
+            t["decode_s"] += out.metrics.total_s - out.metrics.prefill_s
+            t["forwards"] += out.metrics.target_forwards
+            for phase in ("draft_s", "verify_s", "rollback_s"):
+                t[phase] += getattr(out.metrics, phase)
 
     results = {}
     for name, t in totals.items():

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from kernels import cpu_gemm
 from runtime.attention import attention_weights, pick_backend
 from runtime.kv_cache import KVCache
-from runtime.precision import cpu_info
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -119,8 +118,8 @@ def own_fp32_kernel(cpu_vendor: str) -> bool:
     return cpu_vendor == "AuthenticAMD"
 
 
-PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_info("vendor_id"))
-OWN_FP32_KERNEL = own_fp32_kernel(cpu_info("vendor_id"))
+PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_gemm.cpu_info("vendor_id"))
+OWN_FP32_KERNEL = own_fp32_kernel(cpu_gemm.cpu_info("vendor_id"))
 # Our kernel serves products of up to this many rows: every decode, verify and short prefill, so a verify of up to
 # 255 draft nodes equals decoding bit for bit. oneDNN takes longer prefills and batched feature passes: from ~96
 # rows on it is faster (at 1024 rows 2.0 against 2.6 s for a SmolLM2 forward's products on the AMD host).

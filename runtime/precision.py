@@ -8,20 +8,11 @@ Elsewhere bf16 on a CPU is emulated and slower than fp32, so "auto" keeps fp32 t
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
+from kernels.cpu_gemm import cpu_info
+
 PRECISIONS = ("auto", "fp32", "bf16")
-
-
-@lru_cache(maxsize=None)
-def cpu_info(field: str) -> str:
-    """The value of `field` (flags, vendor_id, ...) for the first CPU in /proc/cpuinfo; "" where unknown."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith(field))
-    except (OSError, StopIteration):
-        return ""
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime.drafter import DraftBudget
-from runtime.engine import Engine, EngineConfig
+from runtime.engine import Engine, EngineConfig, tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 
@@ -111,9 +111,8 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
 
     def row(t: dict, base: dict) -> dict:
         rate = t["new_tokens"] / t["seconds"]
-        # the first token of each prompt comes from the prefill, not from a speculative step
         return {"tokens_per_s": rate, "speedup": rate / (base["new_tokens"] / base["seconds"]),
-                "tau": (t["new_tokens"] - t["prompts"]) / t["forwards"], "prompts": t["prompts"]}
+                "tau": tokens_per_forward(t["new_tokens"], t["prompts"], t["forwards"]), "prompts": t["prompts"]}
 
     totals, baseline = successive_halving(
         len(cands), prompts, run, lambda t, base: preference(row(t, base), min_tau, min_speedup, tau_margin))

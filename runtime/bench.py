@@ -17,7 +17,7 @@ import torch
 
 from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
-from runtime.engine import Engine, EngineConfig, Generation
+from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 
@@ -194,8 +194,8 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
     for name, t in totals.items():
         r = results[name] = {"new_tokens": t["new_tokens"], "seconds": t["seconds"],
                              "tokens_per_s": t["new_tokens"] / t["seconds"]}
-        if t["forwards"]:  # the first token of each prompt comes from the prefill
-            r["tau"] = (t["new_tokens"] - len(prompt_ids)) / t["forwards"]
+        if t["forwards"]:  # our engine rows: HF generate reports no forwards
+            r["tau"] = tokens_per_forward(t["new_tokens"], len(prompt_ids), t["forwards"])
             r["decode_ms_per_forward"] = 1e3 * t["decode_s"] / t["forwards"]
             for phase in ("draft", "verify", "rollback"):  # where a step's time goes (the rest: the engine's own)
                 r[f"{phase}_ms_per_forward"] = 1e3 * t[f"{phase}_s"] / t["forwards"]

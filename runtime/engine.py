@@ -106,6 +106,12 @@ class Generation:
     metrics: Metrics
 
 
+def tokens_per_forward(new_tokens: int, generations: int, forwards: int) -> float:
+    """tau of `generations` generations: tokens per target forward, leaving out each one's first token, which comes
+    from the prefill rather than from a decode or verify step; 1.0 without any such forward."""
+    return (new_tokens - generations) / forwards if forwards else 1.0
+
+
 class Engine:
     def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig()):
         if cfg.max_seq_len > target.max_seq_len:
@@ -311,7 +317,7 @@ class _Stats:
     def metrics(self, prompt_tokens: int, new_tokens: int, prefill_s: float, total_s: float) -> Metrics:
         return Metrics(
             prompt_tokens=prompt_tokens, new_tokens=new_tokens, target_forwards=self.forwards,
-            tau=(new_tokens - 1) / self.forwards if self.forwards else 1.0,
+            tau=tokens_per_forward(new_tokens, 1, self.forwards),
             acceptance_by_depth=[t / o for t, o in zip(self.taken, self.offered) if o],
             draft_nodes=self.draft_nodes, prefill_s=prefill_s, draft_s=self.draft_s, verify_s=self.verify_s,
             rollback_s=self.rollback_s, rollback_share=self.rollback_s / total_s, total_s=total_s,

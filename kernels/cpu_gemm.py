@@ -6,10 +6,23 @@ library kernels grow fast with the rows. All of a SmolLM2-135M forward's product
 
     rows                      1     2     4     7    11    16    32    64    96   128  1024
     oneDNN prepacked, ms     34    31    36    53    55    61    96   156   202   288  2036
-    this kernel, ms          22    22    28    31    39    45    79   136   229   318  2582
+    our first kernel, ms     22    22    28    31    39    45    79   136   229   318  2582
 
-It streams each weight row once per 64 rows of x, keeping a tile of 4 weight rows in L1 while those rows pass
-over it. From ~96 rows on the library's blocked kernel computes faster (runtime.model.OWN_MAX_ROWS).
+It reads the weight packed in panels of 16 output columns, k-major (`pack`, done once per Linear at load): a tile
+of up to 6 rows broadcasts each x[m, k] against the panel's 64-byte line for that k, and while one panel's tiles
+compute, they prefetch the next panel. Our first kernel (the row above: tiles of 3 rows x 4 weight rows)
+read each weight tile from memory only when its first row tile reached it; with the next panel prefetched, the
+same products take (scratch benchmark, random weights of the SmolLM2-135M shapes, medians of 5, interleaved):
+
+    rows                      1     6     8    12    16
+    our first kernel, ms     25    34    38    44    54
+    panels + prefetch, ms    26    27    34    40    49
+
+and a speculative step on validate's 16 prompts (2x2/4 tree + lookup 8, our AR and speculation interleaved per
+prompt, twice): verify 67.3 -> 61.2 and 62.6 -> 58.1 ms, speculation over our AR 1.65x -> 1.75x and 1.64x -> 1.77x,
+identical tokens. A verify's cost grows by the 6-row tile: 7..12 rows cost about one more pass over L2-held panels
+than 1..6 (EngineConfig.max_tree). From ~64 rows on the library's blocked kernel computes faster
+(runtime.model.OWN_MAX_ROWS).
 
 It is also batch-invariant: every output is the same chain of FMAs over k whatever the number of rows, so a verify
 row equals its one-row decode bit for bit (tests/test_cpu_gemm.py), which greedy losslessness needs.
@@ -58,17 +71,28 @@ def available() -> bool:
     return True
 
 
+PANEL = 16  # output columns per panel of the packed weight (NR in cpu_gemm.cpp)
+
+
 def serves(weight: Tensor) -> bool:
-    """Whether small_linear can multiply by `weight` [N, K]: fp32, contiguous, on a CPU, K a multiple of 8."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[1] % 8 == 0 and available())
+    """Whether small_linear can multiply by `weight` [N, K]: fp32, 2-D, on a CPU, with the kernel built here."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and available()
 
 
-def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ weight.T + bias, for a weight `serves` accepts; meant for a few rows (see the table above)."""
+def pack(weight: Tensor) -> Tensor:
+    """weight [N, K] -> panels [ceil(N / 16), K, 16] with panels[p, k, c] = weight[16p + c, k] (zero past N): the
+    layout small_linear reads, one 64-byte line per k and panel."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def small_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight.T + bias, where panels = pack(weight) and n = weight.shape[0]; meant for a few rows (see
+    the table above)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.draftsmith_cpu.small_linear(rows, weight, None if bias is None else bias.contiguous())
-    return y.view(*x.shape[:-1], weight.shape[0])
+    y = torch.ops.draftsmith_cpu.small_linear(rows, panels, n, None if bias is None else bias.contiguous())
+    return y.view(*x.shape[:-1], n)
 
 
 def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -121,7 +121,7 @@ def own_fp32_kernel(cpu_vendor: str) -> bool:
 PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_gemm.cpu_info("vendor_id"))
 OWN_FP32_KERNEL = own_fp32_kernel(cpu_gemm.cpu_info("vendor_id"))
 # Our kernel serves products of up to this many rows: every decode, verify and short prefill, so a verify of up to
-# 255 draft nodes equals decoding bit for bit. oneDNN takes longer prefills and batched feature passes: from ~96
+# 255 draft nodes equals decoding bit for bit. oneDNN takes longer prefills and batched feature passes: from ~64
 # rows on it is faster (at 1024 rows 2.0 against 2.6 s for a SmolLM2 forward's products on the AMD host).
 OWN_MAX_ROWS = 256
 # oneDNN's prepacked bf16 product gives every row exactly its one-row result up to 32 rows and switches to a kernel
@@ -143,22 +143,27 @@ class Packable:
 
     weight: Tensor
     packed: Tensor | None = None
-    own_fp32: bool = False  # fp32 inference products of few rows through kernels/cpu_gemm (reads the plain weight)
+    panels: Tensor | None = None  # the weight packed for kernels/cpu_gemm, where its fp32 products of few rows run
 
     def pack(self) -> None:
-        self.own_fp32 = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)
+        own = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)
+        self.panels = cpu_gemm.pack(self.weight) if own else None
         # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
 
     def unpack(self) -> None:
-        self.packed, self.own_fp32 = None, False
+        self.packed = self.panels = None
+
+    @property
+    def own_fp32(self) -> bool:
+        return self.panels is not None
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         # neither fast path has a backward: they serve only forwards no gradient flows through
         inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
                                                     and (x.requires_grad or self.weight.requires_grad))
         if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= OWN_MAX_ROWS * x.shape[-1]:
-            return cpu_gemm.small_linear(x, self.weight, bias)
+            return cpu_gemm.small_linear(x, self.panels, self.weight.shape[0], bias)
         if self.packed is not None and inference and x.dtype == self.packed.dtype \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
             if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:

@@ -141,6 +141,22 @@ def _bench_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
+def _budget(text: str) -> dict:
+    """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> EngineConfig fields (a fixed budget: not adapted while
+    decoding; MAX_TREE: the most nodes a verify holds, drafter's and lookup's together)."""
+    import re
+
+    from runtime.drafter import DraftBudget
+
+    m = re.fullmatch(r"(\d+)x(\d+)(?:/(\d+))?(?:\+(\d+))?(?:@(\d+))?", text.strip())
+    try:
+        depth, width, nodes, lookup, max_tree = (int(g or 0) for g in m.groups())
+        return {"budget": DraftBudget(depth, width, nodes), "adaptive": False, "lookup": lookup, "max_tree": max_tree}
+    except (AttributeError, ValueError) as e:
+        raise DraftsmithError(f"--budget {text!r}: expected DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] with depth, width "
+                              f">= 1, e.g. 2x3/6+8@5{f' ({e})' if isinstance(e, ValueError) else ''}") from None
+
+
 def cmd_bench(args) -> int:
     import torch
 
@@ -163,12 +179,12 @@ def cmd_bench(args) -> int:
         raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
     target_dir = resolve_target(args.target)
     factory = ngram_drafter_factory
-    budget = DraftBudget(depth=args.depth, width=args.width, nodes=args.nodes)
-    fields = {"budget": budget}
+    chosen = _budget(args.budget) if args.budget else None
+    fields = chosen or {"budget": DraftBudget(depth=5)}
     if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
-        fields = bundle.engine_settings(budget)  # as serving runs it: calibrated budget and KV scheme
+        fields = bundle.engine_settings(DraftBudget(depth=5)) | (chosen or {})  # as serving runs it, unless --budget
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
@@ -216,10 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a 'prompt' field")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
-    budget_help = "draft tree budget: ngram, or a bundle without calibrate's draft_budget.json"
-    b.add_argument("--depth", type=int, default=5, help=budget_help)
-    b.add_argument("--width", type=int, default=1, help=budget_help)
-    b.add_argument("--nodes", type=int, default=0, help=budget_help)
+    b.add_argument("--budget", metavar="DxW[/N][+L][@T]",
+                   help="draft budget instead of the bundle's calibrated one (default for ngram and uncalibrated "
+                        "bundles: a depth-5 chain): depth x width, at most N nodes, L lookup nodes, a verify of at "
+                        "most T nodes; e.g. 2x3/6+8@5")
     b.add_argument("--out", default="bench.json")
     add_random_weights_arguments(b)
     b.set_defaults(fn=cmd_bench)

@@ -56,7 +56,8 @@ class Bundle:
         if self.has(DRAFT_BUDGET):
             chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
             fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),
-                       "adaptive": chosen["adaptive"], "lookup": chosen.get("lookup", 0)}  # older bundles: none
+                       "adaptive": chosen["adaptive"], "lookup": chosen.get("lookup", 0),  # older bundles: none
+                       "max_tree": chosen.get("max_tree", 0)}
         return fields
 
     def tensors(self, name: str = WEIGHTS) -> dict:

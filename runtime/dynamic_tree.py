@@ -105,7 +105,7 @@ def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, par
                 q[index[node] + 1] = probs
         if vocab is not None:
             q = vocab.to_target(q)
-    return DraftTree(tokens, parents, q)
+    return DraftTree(tokens, parents, q, torch.tensor([c.eff[i] for i in keep], device=device))
 
 
 class TreeSlots:

@@ -50,6 +50,10 @@ class EngineConfig:
     # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.ngram) are
     # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
     lookup: int = 0
+    # greedy only: most nodes a verify holds, the drafter's and the lookup's together, keeping the likeliest
+    # (DraftTree.best); 0: no limit. Where a verify's cost grows in steps (our CPU kernel's 6-row tiles), a tree
+    # that fills its last step beats one that spills into the next.
+    max_tree: int = 0
 
     def __post_init__(self):
         if not isinstance(self.budget, DraftBudget):
@@ -67,8 +71,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
         if self.kv_scheme is not None:
             KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
-        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or self.lookup < 0:
-            raise ValueError(f"EngineConfig: lookup={self.lookup!r}, expected an int >= 0 (0 = off)")
+        for name in ("lookup", "max_tree"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig: {name}={v!r}, expected an int >= 0 (0 = off)")
         if self.static_verify and (self.sparse is not None or self.kv_scheme is not None):
             raise ValueError("EngineConfig: static_verify needs dense verification and a full-precision KV cache "
                              f"(got sparse={self.sparse is not None}, kv_scheme={self.kv_scheme!r})")
@@ -174,6 +180,8 @@ class Engine:
                 tree = drafter.propose(stats.budget(room), params, generator)
                 if lookup is not None and room > len(tree):
                     tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room - len(tree))), params))
+                if cfg.max_tree and params.greedy:
+                    tree = tree.best(cfg.max_tree)
                 if len(tree) > room:
                     raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
                 stats.draft_s += clock.lap()

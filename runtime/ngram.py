@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +18,16 @@ import torch
 from runtime.drafter import DraftBudget, Drafter
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
+
+
+# How likely a continuation node is accepted, for DraftTree.scores: measured over 48 held-out conversations of
+# SmolLM2-135M-Instruct (greedy), the first node was accepted 61% of the time, each later one 82-95% of the time
+# its parent was (rising with depth), so P(depth d) ~ 0.61 * 0.87^(d-1): 0.23 at depth 8, as measured.
+FIRST_ACCEPT, NEXT_ACCEPT = 0.61, 0.87
+
+
+def depth_score(depth: int) -> float:
+    return math.log(FIRST_ACCEPT) + (depth - 1) * math.log(NEXT_ACCEPT)
 
 
 class NgramDrafter(Drafter):
@@ -106,6 +117,7 @@ class NgramDrafter(Drafter):
             return DraftTree.empty(self._device)
         tokens: list[int] = []
         parents: list[int] = []
+        scores: list[float] = []
         order = itertools.count()  # heap tie-break: expansion order
         frontier: list[tuple] = []
 
@@ -120,7 +132,9 @@ class NgramDrafter(Drafter):
             _, node, parent, depth = heapq.heappop(frontier)
             tokens.append(self._token[node])
             parents.append(parent)
+            scores.append(depth_score(depth))
             if depth < budget.depth:
                 push_children(node, len(tokens) - 1, depth + 1)
         return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._device),
-                         torch.tensor(parents, dtype=torch.long, device=self._device))
+                         torch.tensor(parents, dtype=torch.long, device=self._device), None,
+                         torch.tensor(scores, device=self._device))

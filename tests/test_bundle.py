@@ -104,6 +104,6 @@ def test_engine_settings_take_the_calibrated_budget(tmp_path):
                      data_digest="dd", config={}, code_version="test", extra_files=extra)
     calibrated = read_bundle(tmp_path / "with").engine_settings(configured)
     assert calibrated == {"budget": DraftBudget(depth=2, width=2, nodes=4), "adaptive": False, "lookup": 8,
-                          "kv_scheme": "int4", "kv_recent": 16}
+                          "max_tree": 0, "kv_scheme": "int4", "kv_recent": 16}  # max_tree: none chosen (older)
     assert read_bundle(tmp_path / "without").engine_settings(configured) == {"budget": configured}
     assert EngineConfig(**calibrated).budget.max_nodes == 4  # what validate and serving build their engines with

@@ -173,16 +173,18 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert m["kv_int8_ppl_change"] == cands["int8"]["ppl_change"] and "kv_quant" in result.outputs
 
     budget = json.loads((ctx.out / "draft_budget.json").read_text())  # timed candidates within the configured 4x2/8
-    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"], r["lookup"]) for r in budget["sweep"]]
+    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"], r["lookup"], r["max_tree"]) for r in budget["sweep"]]
     trees = [(1, 1, 1, False), (2, 1, 2, False), (2, 2, 4, False), (3, 2, 6, False), (4, 2, 8, False), (4, 2, 8, True)]
-    assert shapes == [t + (lookup,) for lookup in (0, ctx.cfg.drafter.lookup) for t in trees]
+    lookup = ctx.cfg.drafter.lookup
+    cut = [(2, 1, 2, 5), (2, 2, 4, 5), (3, 2, 6, 5), (2, 2, 4, 11), (3, 2, 6, 11), (4, 2, 8, 11)]  # with the lookup
+    assert shapes == [t + (n, 0) for n in (0, lookup) for t in trees] + [(*t, False, lookup, c) for *t, c in cut]
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1.0 for r in budget["sweep"]) and budget["tokens_per_s_ar"] > 0
     gate = ctx.cfg.validate.gate
     assert (budget["min_tau"], budget["min_speedup"], budget["tau_margin"]) == (
         gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
     assert {r["prompts"] for r in budget["sweep"]} == {budget["prompts"]} == {FAST.budget_prompts}  # one round
     fastest = choose_budget(budget["sweep"], gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
-    assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup")}
+    assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
     assert m["budget_speedup"] == fastest["tokens_per_s"] / budget["tokens_per_s_ar"]
     assert (ctx.out / "draft_budget.png").stat().st_size > 1000 and "draft_budget" in result.outputs
 
@@ -222,11 +224,12 @@ def test_successive_halving_drops_the_less_preferred_half_each_round():
 
 def test_budget_candidates_stay_within_the_configured_budget():
     wide = DraftBudget(depth=6, width=4, nodes=24)
-    assert candidates(wide)[-2:] == [(wide, False, 0), (wide, True, 0)] and len(candidates(wide)) == 9
+    assert candidates(wide)[-2:] == [(wide, False, 0, 0), (wide, True, 0, 0)] and len(candidates(wide)) == 11
     chain = DraftBudget(depth=3, width=1)  # nodes 0: depth * width
     trees = [(DraftBudget(1, 1, 1), False), (DraftBudget(2, 1, 2), False), (chain, False), (chain, True)]
-    assert candidates(chain) == [(b, adaptive, 0) for b, adaptive in trees]
-    assert candidates(chain, (0, 8)) == [(b, adaptive, lookup) for lookup in (0, 8) for b, adaptive in trees]
+    assert candidates(chain) == [(b, adaptive, 0, 0) for b, adaptive in trees]
+    cut = [(DraftBudget(2, 1, 2), False, 8, 5), (chain, False, 8, 5)]  # trees of 2..6 nodes + lookup, cut to 5
+    assert candidates(chain, (0, 8)) == [(b, adaptive, n, 0) for n in (0, 8) for b, adaptive in trees] + cut
 
 
 def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):

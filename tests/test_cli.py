@@ -122,7 +122,7 @@ def test_bench_refuses_a_bundle_for_another_target(tmp_path):
 def test_bench_cli_writes_report(tmp_path):
     (tmp_path / "p.txt").write_text('Say hello.\n{"ids": [1, 4093, 198, 19556, 30, 2, 198]}\n')  # ids: as they are
     res = pipeline("bench", "--drafter", "ngram", "--prompts", "p.txt", "--max-new-tokens", "8", "--dtype", "float32",
-                   "--out", "b.json", cwd=tmp_path)
+                   "--budget", "3x1+4", "--out", "b.json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     report = json.loads((tmp_path / "b.json").read_text())
     assert set(report["methods"]) == {"hf_generate", "ours_ar", "ours_spec"}
@@ -151,6 +151,17 @@ def test_bench_prompts_file_lines_and_its_errors(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(DraftsmithError, match=re.escape(f"{tmp_path / name}{why}")):
             _bench_prompts(tmp_path / name)
+
+
+def test_bench_budget_flag_and_its_errors():
+    from pipeline.cli import _budget
+    from runtime.drafter import DraftBudget
+
+    assert _budget("2x3/6+8@5") == {"budget": DraftBudget(2, 3, 6), "adaptive": False, "lookup": 8, "max_tree": 5}
+    assert _budget("2x1") == {"budget": DraftBudget(2, 1, 0), "adaptive": False, "lookup": 0, "max_tree": 0}
+    for bad in ("4x3x2", "0x3", "deep", "4x3+", "4x0/2", "2x1@"):
+        with pytest.raises(DraftsmithError, match=re.escape(f"--budget {bad!r}: expected DEPTHxWIDTH")):
+            _budget(bad)
 
 
 def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, monkeypatch, capsys):

@@ -108,6 +108,22 @@ def test_lookup_branch_adds_accepted_tokens_and_stays_lossless(target):
         EngineConfig(lookup=-1)
 
 
+def test_max_tree_cuts_each_verify_to_its_likeliest_nodes_and_stays_lossless(target):
+    """The n-gram drafter's tree plus the lookup branch, cut to 3 nodes a verify: greedy output unchanged, no verify
+    over the cap, and the cut keeps what gets accepted (the repeating tiny target's continuations)."""
+    want = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 60).tokens
+    widest = []
+    engine = Engine(target, NgramDrafter(target.config.vocab_size),
+                    EngineConfig(max_seq_len=128, budget=DraftBudget(3, 2, 6), adaptive=False, lookup=6, max_tree=3))
+    verify = engine.target.forward
+    engine.target.forward = lambda tokens, *a, **k: widest.append(tokens.shape[1]) or verify(tokens, *a, **k)
+    gen = engine.generate(PROMPT, 60)
+    assert gen.tokens == want and max(widest[1:]) == 4  # root + 3 nodes; widest[0] is the prefill
+    assert gen.metrics.target_forwards < 30
+    with pytest.raises(ValueError, match="max_tree=-1"):
+        EngineConfig(max_tree=-1)
+
+
 @pytest.mark.parametrize("width,adaptive", [(1, False), (3, False), (2, True)], ids=["chain", "tree", "adaptive"])
 def test_noisy_oracle_speculation_is_lossless(target, width, adaptive):
     n_new = 50

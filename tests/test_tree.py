@@ -78,6 +78,26 @@ def test_union_merges_shared_paths_and_appends_the_rest():
     assert DraftTree.empty().union(b).parents.tolist() == b.parents.tolist()
 
 
+def test_union_keeps_the_higher_score_of_a_merged_node_and_best_keeps_the_likeliest():
+    # drafter: root -> 7 (-0.2) -> 8 (-0.9), root -> 9 (-1.5); lookup: root -> 7 (-0.5) -> 8 (-0.6) -> 10 (-0.8)
+    a = DraftTree(torch.tensor([7, 9, 8]), torch.tensor([-1, -1, 0]), scores=torch.tensor([-0.2, -1.5, -0.9]))
+    b = DraftTree.chain(torch.tensor([7, 8, 10]))
+    b.scores = torch.tensor([-0.5, -0.6, -0.8])
+    u = a.union(b)
+    assert u.tokens.tolist() == [7, 9, 8, 10] and u.scores.tolist() == pytest.approx([-0.2, -1.5, -0.6, -0.8])
+    assert a.union(DraftTree.chain(torch.tensor([5]))).scores is None  # an unranked tree: no scores to compare
+    top = u.best(3)  # 7, 8, 10: the chain outranks the drafter's second guess, parents kept before children
+    assert top.tokens.tolist() == [7, 8, 10] and top.parents.tolist() == [-1, 0, 1]
+    assert top.scores.tolist() == pytest.approx([-0.2, -0.6, -0.8]) and u.best(4) is u
+    unranked = DraftTree(torch.tensor([7, 9, 8]), torch.tensor([-1, -1, 0]))
+    assert unranked.best(2).tokens.tolist() == [7, 9]  # unranked: the first nodes, in proposal order
+    bad = DraftTree(torch.tensor([7, 8]), torch.tensor([-1, 0]), scores=torch.tensor([-2.0, -0.1]))
+    with pytest.raises(ValueError, match="scores above its parent"):
+        bad.best(1)
+    with pytest.raises(ValueError, match="2 tokens but 1 scores"):
+        DraftTree(torch.tensor([7, 8]), torch.tensor([-1, 0]), scores=torch.tensor([0.0]))
+
+
 def test_union_refuses_trees_drawn_with_a_distribution():
     sampled = DraftTree.chain(torch.tensor([3]), q=torch.full((2, 4), 0.25))
     with pytest.raises(ValueError, match="greedy only"):

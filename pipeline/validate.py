@@ -139,7 +139,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed) for t in temperatures}
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": {"depth": budget.depth, "width": budget.width, "nodes": budget.max_nodes,
-                       "adaptive": engine_cfg.adaptive, "lookup": engine_cfg.lookup}, "timed": timed}
+                       "adaptive": engine_cfg.adaptive, "lookup": engine_cfg.lookup,
+                       "max_tree": engine_cfg.max_tree}, "timed": timed}
 
 
 def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:

@@ -14,10 +14,12 @@ Each tree is also tried with the n-gram lookup branch (EngineConfig.lookup): a t
 prompt gets those nodes accepted whatever the drafter proposed, and the timing says whether the wider verify pays.
 
 Candidates are timed by successive halving: all on the first two prompts, the preferred half on two more, and so
-on, each prompt running plain decoding and every remaining candidate back to back. At the cost of four prompts for
-every candidate, the finalists run eight: on the AMD host, four prompts of 64 tokens picked a 2x2/4 tree without
-the lookup branch (1.52x there, 1.23x on validate's prompts) over the 2-chain with it (1.41x there, 1.59x on
-validate's), since how much the branch gains depends on how much the prompts repeat.
+on down to two finalists, each prompt running plain decoding and every remaining candidate back to back. The
+finalists run twelve prompts at validate's reply length: on the AMD host, four prompts of 64 tokens picked a 2x2/4
+tree without the lookup branch (1.52x there, 1.23x on validate's prompts) over the 2-chain with it (1.41x there,
+1.59x on validate's), and eight of 64 tokens picked the 2-chain + lookup 8 cut to 5 (1.72x in validate) over 2x2/4
++ lookup 8 cut to 5 (1.90x on validate's prompts), since how much the branch gains depends on how much the prompts
+repeat and on how long the reply grows.
 """
 from __future__ import annotations
 
@@ -71,8 +73,9 @@ def choose_budget(sweep: list[dict], min_tau: float, min_speedup: float = 0.0, t
 def successive_halving(n: int, prompts: list, run: Callable[[int | None, object], tuple[float, int, int]],
                        rank: Callable[[dict, dict], tuple], per_round: int = PROMPTS_PER_ROUND) -> tuple[list, dict]:
     """Time n candidates and plain decoding (index None) on `prompts`, `per_round` prompts a round; after each
-    round but the last, the less preferred half (by `rank(totals, baseline)`) stops. Every prompt runs plain
-    decoding and each remaining candidate back to back, so a machine that slows down slows all alike. `run` gives
+    round but the last, the less preferred half (by `rank(totals, baseline)`) stops, down to two finalists. Every
+    prompt runs plain decoding and each remaining candidate back to back, so a machine that slows down slows all
+    alike. `run` gives
     (seconds, new tokens, target forwards). Returns each candidate's totals (with the baseline's over the same
     prompts) and the baseline's totals over all prompts."""
     zero = {"seconds": 0.0, "new_tokens": 0, "forwards": 0, "prompts": 0}
@@ -87,7 +90,8 @@ def successive_halving(n: int, prompts: list, run: Callable[[int | None, object]
         for i in alive:
             totals[i]["baseline"] = dict(baseline)
         if r < len(rounds) - 1:
-            alive = sorted(alive, key=lambda i: rank(totals[i], baseline), reverse=True)[:(len(alive) + 1) // 2]
+            keep = max(2, (len(alive) + 1) // 2)
+            alive = sorted(alive, key=lambda i: rank(totals[i], baseline), reverse=True)[:keep]
     return totals, baseline
 
 
@@ -108,7 +112,7 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
     engines = [engine(new_drafter(), *c) for c in cands]
     plain = engine(None, configured, False, 0, 0)
     for e in [plain] + engines:  # warm-up: allocator, the tree-verify path
-        e.generate(prompts[0], new_tokens, SamplingParams(), None, stop_ids)
+        e.generate(prompts[0], min(new_tokens, 16), SamplingParams(), None, stop_ids)
 
     def run(i: int | None, ids: list[int]) -> tuple[float, int, int]:
         start = time.perf_counter()

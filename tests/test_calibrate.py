@@ -220,6 +220,8 @@ def test_successive_halving_drops_the_less_preferred_half_each_round():
     assert calls[12:16] == [("c", None), ("c", 3), ("c", 1), ("c", 4)]  # the preferred first
     assert baseline["prompts"] == 5 and totals[3]["baseline"]["prompts"] == 5 and totals[0]["baseline"]["prompts"] == 2
     assert rank(totals[3], totals[3]["baseline"]) == pytest.approx(40 / 15)
+    totals, _ = successive_halving(3, list("abcdefgh"), run, rank, per_round=2)  # two finalists run every prompt
+    assert [t["prompts"] for t in totals] == [2, 8, 8]
 
 
 def test_budget_candidates_stay_within_the_configured_budget():

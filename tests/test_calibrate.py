@@ -31,8 +31,8 @@ from train.trainer import TrainSpec, train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
 TOP_P = [0.5, 0.9, 0.99]
-FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24, budget_prompts=2,
-                         budget_new_tokens=16)
+FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24, budget_prompts=2)
+REPLY = 16  # validate.max_new_tokens: the reply length budgets are timed at (FAST.budget_new_tokens 0)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +79,11 @@ def make_hard_to_quantise(tensors: dict, factor: float) -> None:
 
 
 def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outlier=0.0) -> StageContext:
-    cfg = Config.model_validate({"run": {"dir": str(tmp_path)}, "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
+    cfg = Config.model_validate({"run": {"dir": str(tmp_path)},
+                                 "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
                                  "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P,
-                                               "kv_recent": 8}})  # 40-token rows: a history to quantise
+                                               "kv_recent": 8},  # 40-token rows: a history to quantise
+                                 "validate": {"max_new_tokens": REPLY}})
     store = RunStore(tmp_path, "r1")
     prep, distill = store.stage_dir("prepare"), store.stage_dir("distill")
     prep.mkdir(parents=True)
@@ -183,6 +185,7 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert (budget["min_tau"], budget["min_speedup"], budget["tau_margin"]) == (
         gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
     assert {r["prompts"] for r in budget["sweep"]} == {budget["prompts"]} == {FAST.budget_prompts}  # one round
+    assert budget["new_tokens"] == REPLY
     fastest = choose_budget(budget["sweep"], gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
     assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
     assert m["budget_speedup"] == fastest["tokens_per_s"] / budget["tokens_per_s_ar"]

@@ -75,9 +75,8 @@ def successive_halving(n: int, prompts: list, run: Callable[[int | None, object]
     """Time n candidates and plain decoding (index None) on `prompts`, `per_round` prompts a round; after each
     round but the last, the less preferred half (by `rank(totals, baseline)`) stops, down to two finalists. Every
     prompt runs plain decoding and each remaining candidate back to back, so a machine that slows down slows all
-    alike. `run` gives
-    (seconds, new tokens, target forwards). Returns each candidate's totals (with the baseline's over the same
-    prompts) and the baseline's totals over all prompts."""
+    alike. `run` gives (seconds, new tokens, target forwards). Returns each candidate's totals (with the baseline's
+    over the same prompts) and the baseline's totals over all prompts."""
     zero = {"seconds": 0.0, "new_tokens": 0, "forwards": 0, "prompts": 0}
     totals, baseline, alive = [dict(zero) for _ in range(n)], dict(zero), list(range(n))
     rounds = [prompts[i:i + per_round] for i in range(0, len(prompts), per_round)]
@@ -111,7 +110,7 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
 
     engines = [engine(new_drafter(), *c) for c in cands]
     plain = engine(None, configured, False, 0, 0)
-    for e in [plain] + engines:  # warm-up: allocator, the tree-verify path
+    for e in [plain] + engines:  # warm-up: allocator, the tree-verify path (a few steps reach both)
         e.generate(prompts[0], min(new_tokens, 16), SamplingParams(), None, stop_ids)
 
     def run(i: int | None, ids: list[int]) -> tuple[float, int, int]:

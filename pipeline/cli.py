@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="HF generate vs our autoregressive vs our speculative, same prompts")
     b.add_argument("--target", default="smollm2-135m-instruct")
     b.add_argument("--drafter", help="'ngram' or a bundle directory (omit: no speculative row)")
-    b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a 'prompt' field")
+    b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a string 'prompt' or token 'ids' "
+                   "(validate writes its prompts so: runs/<id>/validate/prompts.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--budget", metavar="DxW[/N][+L][@T]",

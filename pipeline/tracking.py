@@ -13,7 +13,7 @@ from pipeline.config import Config
 from pipeline.runstore import RunStore
 
 EXPERIMENT = "draftsmith"
-ARTIFACT_SUFFIXES = (".png", ".json", ".md", ".yaml")
+ARTIFACT_SUFFIXES = (".png", ".json", ".jsonl", ".md", ".yaml")  # reports, plots and validate's prompts
 
 
 def tracking_uri(cfg: Config) -> str:

@@ -11,6 +11,7 @@ sampling temperatures. Headline metrics are the worst case over the temperatures
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,6 +27,7 @@ from runtime.engine import Metrics
 from runtime.sampling import SamplingParams
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
+PROMPTS_JSONL = "prompts.jsonl"  # the prompts as token ids, which `pipeline bench --prompts` reads
 ACCEPTANCE_PNG, SPEEDUP_PNG = "acceptance_by_depth.png", "speedup.png"
 METHODS = ("spec", "ar", "hf")  # our speculative engine, our autoregressive engine, HF generate
 HEADLINE = ("tau", "speedup", "speedup_hf", "tokens_per_s", "tokens_per_s_ar", "tokens_per_s_hf")  # worst case
@@ -172,7 +174,9 @@ def write_report_md(path: Path, report: dict) -> None:
                      f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |" + extra)
     gate = report["gate"]
     lines += ["", f"Greedy lossless: {'yes' if report['metrics']['lossless'] else 'NO'}", "",
-              f"Gate: {'passed' if gate['passed'] else 'FAILED: ' + '; '.join(gate['reasons'])}", ""]
+              f"Gate: {'passed' if gate['passed'] else 'FAILED: ' + '; '.join(gate['reasons'])}", "",
+              f"The prompts are in `{PROMPTS_JSONL}`; `pipeline bench --target <target> --drafter <bundle> --prompts "
+              f"{PROMPTS_JSONL} --dtype {report['dtype']}` times the same methods on them again.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -231,6 +235,7 @@ def run_validate(ctx: StageContext) -> StageResult:
               "validation_digest": digest_json({"prompt_ids": prompts, "temperatures": temperatures,
                                                 "max_new_tokens": v.max_new_tokens})}
     write_json_atomic(ctx.out / REPORT_JSON, report)
+    (ctx.out / PROMPTS_JSONL).write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in prompts))
     write_report_md(ctx.out / REPORT_MD, report)
     write_plots(ctx.out, rows)
     summary = (f"tau {metrics['tau']:.2f}, {metrics['speedup']:.2f}x over our AR, {metrics['speedup_hf']:.2f}x over "
@@ -238,6 +243,7 @@ def run_validate(ctx: StageContext) -> StageResult:
     summary += "".join(f", {metrics[f'speedup_{peer}']:.2f}x over {label}" for peer, label in PEERS.items()
                        if f"speedup_{peer}" in metrics)
     return StageResult(status="completed" if not reasons else "gate_failed",
-                       outputs={"report": REPORT_JSON, "report_md": REPORT_MD, "plots": [ACCEPTANCE_PNG, SPEEDUP_PNG]},
+                       outputs={"report": REPORT_JSON, "report_md": REPORT_MD, "prompts": PROMPTS_JSONL,
+                                "plots": [ACCEPTANCE_PNG, SPEEDUP_PNG]},
                        metrics={k: float(val) for k, val in metrics.items()},
                        message=summary if not reasons else f"gate failed: {'; '.join(reasons)} ({summary})")

@@ -8,10 +8,12 @@ from helpers import run_stage_on
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
 from pipeline.export_stage import run_export
-from pipeline.home import sha256_file
+from pipeline.cli import _bench_prompts
+from pipeline.home import digest_json, sha256_file
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
-from pipeline.validate import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate, time_methods
+from pipeline.validate import (ACCEPTANCE_PNG, PROMPTS_JSONL, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate,
+                               time_methods)
 from runtime.bundle import MANIFEST, BundleError
 from train.data import TokenizedSet
 
@@ -154,7 +156,7 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
     rec = run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
     out = exported.stage_dir("validate")
     assert rec["status"] == "completed"
-    for name in (REPORT_JSON, REPORT_MD, ACCEPTANCE_PNG, SPEEDUP_PNG):
+    for name in (REPORT_JSON, REPORT_MD, PROMPTS_JSONL, ACCEPTANCE_PNG, SPEEDUP_PNG):
         assert (out / name).stat().st_size > 0
     assert (out / ACCEPTANCE_PNG).read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / REPORT_JSON).read_text())
@@ -165,6 +167,9 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
     assert report["gate"]["passed"] and report["gate"]["reasons"] == []
     assert len(report["validation_digest"]) == 64
     assert "| 0.8 |" in (out / REPORT_MD).read_text()
+    prompts = _bench_prompts(out / PROMPTS_JSONL)  # what `pipeline bench --prompts` reads: validate's own prompts
+    assert len(prompts) == report["prompts"] == 2 and report["validation_digest"] == digest_json(
+        {"prompt_ids": prompts, "temperatures": [0.0, 0.8], "max_new_tokens": 12})
 
 
 def test_methods_are_timed_back_to_back_on_each_prompt():

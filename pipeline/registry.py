@@ -25,6 +25,7 @@ CANDIDATE = "candidate"
 CHAMPION = "champion"
 METRIC_TAG = "metric."  # prefix of the tags holding validation metrics
 MODEL_ARTIFACT = "drafter"  # name of the pyfunc model inside its MLflow logged model
+SERVING_MODEL = Path(__file__).with_name("serving_model.py")  # the pyfunc as code: nothing is pickled
 
 
 def registry_client(cfg: Config):
@@ -95,7 +96,7 @@ def register_bundle(cfg: Config, store: RunStore):
     """
     import mlflow
 
-    from pipeline.serving import DraftsmithPyfunc, pyfunc_signature
+    from pipeline.serving import pyfunc_signature
 
     validated = read_validated(store)
     if mlflow.active_run() is None:
@@ -111,7 +112,7 @@ def register_bundle(cfg: Config, store: RunStore):
         # Explicit requirements skip MLflow's inference (which imports the model); `pipeline serve` uses
         # --env-manager local, i.e. this installation.
         info = mlflow.pyfunc.log_model(
-            name=MODEL_ARTIFACT, python_model=DraftsmithPyfunc(), artifacts={"bundle": str(validated.bundle_dir)},
+            name=MODEL_ARTIFACT, python_model=str(SERVING_MODEL), artifacts={"bundle": str(validated.bundle_dir)},
             model_config={"target": _serving_target(cfg.target), "max_new_tokens": cfg.validate.max_new_tokens,
                           "budget": {"depth": cfg.drafter.depth, "width": cfg.drafter.width,
                                      "nodes": cfg.drafter.nodes},  # the draft tree budget validate measured

@@ -78,13 +78,17 @@ class EagleModel(nn.Module):
         return self.step(tokens, features, positions, cache, slots, n_live, mask)[0]
 
     def step(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, slots: Tensor | None,
-             n_live: int, mask: Tensor | None, want_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        """forward, plus the block's attention weights [B, heads, T, n_live] over cache slots if `want_weights`."""
+             n_live: int, mask: Tensor | None, want_weights: bool = False,
+             rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """forward, plus the block's attention weights [B, heads, T, n_live] over cache slots if `want_weights`.
+        rows: indices into the B*T pairs whose prediction is wanted, returned as [len(rows), H]; every pair still
+        writes its keys and values, but only those rows pay for the output projection and the MLP."""
         x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
         cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
         b = self.block
-        h, weights = b.attention(b.attention_norm(x), 0, cache, slots, n_live, mask, cos, sin, want_weights)
-        x = x + h
+        h, weights = b.attention(b.attention_norm(x), 0, cache, slots, n_live, mask, cos, sin, want_weights,
+                                 rows=rows)
+        x = (x if rows is None else x.flatten(0, 1).index_select(0, rows)) + h
         return x + b.feed_forward(b.ffn_norm(x)), weights
 
     def causal(self, tokens: Tensor, features: Tensor, cache: KVCache) -> Tensor:

@@ -277,9 +277,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Tensor | None,
-                cos: Tensor, sin: Tensor, want_weights: bool,
-                keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """keep [B, Hkv, 1|T, n_live]: SpecAttn's keys per kv head (runtime.attention), None: every key."""
+                cos: Tensor, sin: Tensor, want_weights: bool, keep: Tensor | None = None,
+                rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """keep [B, Hkv, 1|T, n_live]: SpecAttn's keys per kv head (runtime.attention), None: every key.
+        rows: indices into the B*T queries whose output is wanted; the result is then [len(rows), dim] and the
+        output projection runs on those only (training skips the queries no loss reads, see train.ttt)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -290,6 +292,8 @@ class Attention(nn.Module):
         keys, values = cache.write(layer, slots, k, v, n_live)
         q = q.transpose(1, 2)  # [B, H, T, D]
         out = pick_backend(x.device)(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
+        if rows is not None:
+            out = out.reshape(B * T, H * D).index_select(0, rows)
         return self.wo(out), attention_weights(q, keys, mask) if want_weights else None
 
 

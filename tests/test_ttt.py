@@ -55,3 +55,58 @@ def test_training_through_the_unroll_raises_deep_acceptance(target, tmp_path):
     with torch.no_grad():
         _, m = eagle_loss(target, noise=0.0)(model, data.batch_at(0))
     assert abs(after["sim_accept_d1"] - m["top1_d1"]) < 0.02
+
+
+def test_unroll_restricted_to_wanted_rows_predicts_the_same_there(target):
+    torch.manual_seed(1)
+    model = recipes.build_eagle(target, None, from_target=False).eval()
+    ids = torch.randint(0, 96, (2, 14))
+    f = torch.randn(2, 14, target.config.dim)
+    wanted = [torch.rand(2, 13) < 0.4 for _ in range(3)]
+    with torch.no_grad():
+        full = unroll(model, ids, f[:, :-1], 3)
+        some = unroll(model, ids, f[:, :-1], 3, wanted)
+    needed = wanted[2]
+    for d in (3, 2, 1):  # a row is computed where wanted or unrolled into a wanted deeper row
+        needed = needed | wanted[d - 1]
+        torch.testing.assert_close(some[d - 1][needed], full[d - 1][needed], atol=1e-5, rtol=1e-5)
+        assert bool((some[d - 1][~needed] == 0).all()) and bool(needed.any()) and not bool(needed.all())
+
+
+def test_eagle_loss_equals_the_loss_over_every_row(target):
+    """eagle_loss skips rows no loss reads and computes the goals once for all depths; the loss and every
+    gradient equal those of the plain computation over every row."""
+    from train.batches import Batches
+    from train.losses import feature_regression, soft_cross_entropy
+
+    batch = Batches(self_distilled_rows(target, rows=4, prompt_vocab=96, new_tokens=20, max_seq_len=128), 4,
+                    seed=0).batch_at(0)
+    model = recipes.build_eagle(target, torch.arange(80), from_target=False)
+
+    def plain(model, batch, depth=3, decay=0.7, noise=0.1):
+        t = recipes.target_features(target, batch)
+        f, mask, ids = t.features, t.mask, batch["input_ids"]
+        T = ids.shape[1]
+        inputs = f[:, :-1] + noise * (2 * torch.rand_like(f[:, :-1]) - 1)
+        total = 0.0
+        for d, pred in enumerate(unroll(model, ids, inputs, depth), start=1):
+            n = T - d - 1
+            m = mask[:, d + 1:d + 1 + n]
+            pred, goal = pred[:, :n][m], f[:, d:d + n][m]
+            ones = torch.ones(len(pred), dtype=torch.bool)
+            total = total + decay ** (d - 1) * (feature_regression(pred, goal, ones)
+                                                + 0.1 * soft_cross_entropy(model.head(goal), model.head(pred), ones))
+        return total
+
+    results = []
+    for loss_fn in (plain, lambda m, b: eagle_loss(target, depth=3)(m, b)[0]):
+        torch.manual_seed(0)
+        model.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    (plain_loss, plain_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
+    assert len(grads) == len(plain_grads) > 0
+    for g, ref in zip(grads, plain_grads):
+        torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-4)

@@ -64,8 +64,14 @@ KD_DISTANCES = {"forward_kl": kl_divergence, "tv": total_variation}
 def soft_cross_entropy(target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
     """-sum p log q: KL plus the target's entropy, same gradient for q, cheaper (no log p term)."""
     target, draft = _masked_rows(target_logits, draft_logits, mask)
+    return cross_entropy_to(target.softmax(-1), draft)
+
+
+def cross_entropy_to(target_probs: Tensor, draft_logits: Tensor) -> Tensor:
+    """soft_cross_entropy on rows already selected, from the target's probabilities [N, V] (computed once where
+    several losses share them)."""
     # torch's fused soft-label cross entropy; 0 * log 0 terms are 0 as long as the draft logits are finite
-    return _mean(F.cross_entropy(draft, target.softmax(-1), reduction="none"))
+    return _mean(F.cross_entropy(draft_logits.float(), target_probs, reduction="none"))
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
@@ -112,6 +118,8 @@ def topk_accuracy(draft_logits: Tensor, labels: Tensor, mask: Tensor, ks: tuple[
     _check(mask, labels.shape, "topk_accuracy")
     if not ks or min(ks) < 1 or max(ks) > draft_logits.shape[-1]:
         raise ValueError(f"ks={ks}: expected values in 1..{draft_logits.shape[-1]} (the vocabulary)")
-    top = draft_logits[mask].topk(max(ks), dim=-1).indices
-    hits = (top == labels[mask].unsqueeze(-1)).cumsum(-1).bool()  # hits[:, j]: label within the top j+1
+    if not bool(mask.all()):  # a boolean index copies even when it selects every row
+        draft_logits, labels = draft_logits[mask], labels[mask]
+    top = draft_logits.reshape(-1, draft_logits.shape[-1]).topk(max(ks), dim=-1).indices
+    hits = (top == labels.reshape(-1, 1)).cumsum(-1).bool()  # hits[:, j]: label within the top j+1
     return {k: float(_mean(hits[:, k - 1].float())) for k in ks}

@@ -17,7 +17,7 @@ from runtime.draft_head import DraftHead
 from runtime.eagle import EagleModel
 from runtime.medusa import MedusaConfig, MedusaHeads
 from runtime.model import Linear, Transformer
-from train.losses import KD_DISTANCES, feature_regression, soft_cross_entropy, topk_accuracy
+from train.losses import KD_DISTANCES, cross_entropy_to, feature_regression, soft_cross_entropy, topk_accuracy
 from train.ttt import unroll
 
 LossFn = Callable[[nn.Module, dict], tuple[Tensor, dict]]
@@ -56,19 +56,30 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
         t = target_features(target, batch)
         ids, f = batch["input_ids"], t.features
         T = ids.shape[1]
+        depths = min(depth, T - 2)
         inputs = f[:, :-1] + noise * (2 * torch.rand_like(f[:, :-1]) - 1)
+        # depth d row j predicts f_{j+d}, a loss row where the token after it, x_{j+d+1}, is an assistant token
+        wanted = [F.pad(t.mask[:, d + 1:], (0, d)) for d in range(1, depths + 1)]
+        # every depth's goal is the target's distribution at some position p (p >= d) with x_{p+1} assistant:
+        # computed once for p = 1..T-2 (the vocab-wide work is most of a step), then narrowed per depth
+        goals = t.mask[:, 2:]
+        with torch.no_grad():
+            goal_logits = model.head(f[:, 1:T - 1][goals]).float()
+            goal_probs, goal_ids = goal_logits.softmax(-1), goal_logits.argmax(-1)
+        p = torch.arange(1, T - 1, device=ids.device).expand_as(goals)[goals]
         total, metrics = 0.0, {}
-        for d, pred in enumerate(unroll(model, ids, inputs, min(depth, T - 2)), start=1):
-            n = T - d - 1  # rows j whose next token x_{j+d+1} exists; row j at depth d predicts f_{j+d}
-            m = t.mask[:, d + 1:d + 1 + n]
-            pred, goal = pred[:, :n][m], f[:, d:d + n][m]  # loss rows only: the vocab-wide work is most of a step
+        for d, pred in enumerate(unroll(model, ids, inputs, depths, wanted), start=1):
+            m = wanted[d - 1]
+            pred, goal = pred[m], f[:, d:][m[:, :T - d]]
+            probs, labels = goal_probs, goal_ids
+            if d > 1:  # this depth's goals: those at p >= d, in the order of its loss rows
+                keep = (p >= d).nonzero().squeeze(1)
+                probs, labels = goal_probs.index_select(0, keep), goal_ids.index_select(0, keep)
             logits = model.head(pred)
-            with torch.no_grad():
-                goal_logits = model.head(goal)
-            m = torch.ones(len(pred), dtype=torch.bool, device=pred.device)
-            reg, tok = feature_regression(pred, goal, m), soft_cross_entropy(goal_logits, logits, m)
+            reg = feature_regression(pred, goal, torch.ones(len(pred), dtype=torch.bool, device=pred.device))
+            tok = cross_entropy_to(probs, logits)
             total = total + decay ** (d - 1) * (w_feature * reg + w_token * tok)
-            metrics[f"top1_d{d}"] = top1(logits, goal_logits, m)
+            metrics[f"top1_d{d}"] = float((logits.argmax(-1) == labels).float().mean()) if len(labels) else 0.0
             if d == 1:
                 metrics.update(feature_loss=reg.item(), token_loss=tok.item(), top1=metrics["top1_d1"])
         return total, metrics

@@ -11,6 +11,7 @@ from rich.table import Table
 from pipeline.errors import DraftsmithError
 from runtime.bundle import BundleError
 from runtime.gpu_bench import add_arguments as add_random_weights_arguments
+from runtime.host_memory import keep_freed_memory
 
 console = Console(stderr=True)
 EXIT_GATE_FAILED = 3  # validate ran and its gate said no (the DAG branches on it); 1 = a stage failed, 2 = bad input
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()
     try:
         return args.fn(args)
     except (DraftsmithError, BundleError) as e:

@@ -1,0 +1,28 @@
+"""keep_freed_memory: after it, a large freed tensor's memory is reused rather than unmapped and faulted in again."""
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import ctypes, sys, torch
+from runtime.host_memory import keep_freed_memory
+
+class MallInfo2(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
+                                                "fordblks keepcost").split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def mapped_during_alloc():
+    x = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB: above glibc's largest mmap threshold
+    return libc.mallinfo2().hblkhd >= 64 << 20
+before = mapped_during_alloc()
+kept = keep_freed_memory()
+print(before, kept, mapped_during_alloc())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_large_tensors_stay_in_the_heap_after_keep_freed_memory():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "False"]  # mmapped before; from the heap after

@@ -70,6 +70,36 @@ def test_batch_generator_decodes_only_its_busy_rows(target):
         assert done[i].tokens == engine.generate(p, n, SamplingParams()).tokens
 
 
+@pytest.mark.parametrize("keep_hidden", [True, False])
+def test_a_continuing_request_reuses_its_rows_cache(target, keep_hidden):
+    """A request that continues a finished one (the next turn) prefills only past the prefix they share, and
+    generates what a fresh prefill of its whole prompt would, hidden states included."""
+    g = torch.Generator().manual_seed(4)
+    first = {k: torch.randint(0, 96, (n,), generator=g).tolist() for k, n in (("a", 6), ("b", 9), ("c", 4))}
+    gen = BatchGenerator(target, batch_size=2, keep_hidden=keep_hidden, max_len=96)
+    for k, p in first.items():
+        gen.submit(Request(k, p, 8))
+    done, expected_reuse = {}, 0
+    while gen.busy:
+        for c in gen.step():
+            done[c.key] = c
+            if len(c.key) == 1:  # the next turn: the answer, then new user tokens; "b" changes its last answer token
+                answer = c.tokens[:-1] + [(c.tokens[-1] + 1) % 96] if c.key == "b" else c.tokens
+                fed = len(c.prompt) + len(c.tokens) - (0 if keep_hidden else 1)
+                expected_reuse += min(fed, len(c.prompt) + len(answer) - (c.key == "b"))
+                gen.submit(Request(c.key * 2, c.prompt + answer + [5, 7, 11], 6, continues=c.key))
+    assert gen.reused_tokens == expected_reuse > 0
+    assert gen.prompt_tokens == sum(len(c.prompt) for c in done.values())
+    engine = Engine(target, None, EngineConfig(max_seq_len=96))
+    for k in ("aa", "bb", "cc"):
+        c = done[k]
+        assert c.tokens == engine.generate(c.prompt, 6, SamplingParams()).tokens
+        if keep_hidden:
+            full = torch.tensor([c.prompt + c.tokens])
+            ref = target.run(full, target.new_cache(1, 96), torch.arange(full.shape[1])[None], no_logits=True).hidden
+            torch.testing.assert_close(c.hidden, ref[0], atol=1e-4, rtol=1e-4)
+
+
 def test_batch_generator_refuses_a_request_that_does_not_fit(target):
     gen = BatchGenerator(target, 2, max_len=16)
     with pytest.raises(ValueError, match="exceed the cache length 16"):

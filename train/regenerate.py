@@ -59,7 +59,9 @@ def next_request(conv: _Conversation, tokenizer, s: RegenSettings) -> Request | 
             if encoded is None:
                 return None
             conv.answering, (ids, conv.prompt_mask) = k, encoded
-            return Request(conv.key, ids, min(s.max_new_tokens, s.max_length - len(ids)))
+            # a later turn extends the last answer's row: the generator reuses its KV cache for the shared prefix
+            return Request(conv.key, ids, min(s.max_new_tokens, s.max_length - len(ids)),
+                           continues=None if conv.row is None else conv.key)
     return None
 
 
@@ -97,7 +99,8 @@ def regenerate(target: Transformer, tokenizer, conversations: list[list[dict]], 
             else:
                 writer.drop(conv.key, "too_few_assistant_tokens")
             bar.update(1)
-            bar.set_postfix(tokens=new_tokens, refresh=False)
+            bar.set_postfix(tokens=new_tokens, prompt_reuse=f"{gen.reused_tokens / max(gen.prompt_tokens, 1):.0%}",
+                            refresh=False)
     writer.flush()
     bar.close()
 

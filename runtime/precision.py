@@ -1,9 +1,12 @@
 """Which float type the compute-bound jobs run in: training's matmuls (distill.precision, bf16 autocast) and
-prepare's target pass (data.precision, bf16 weights).
+prepare's target pass and validate (data.precision and validate.precision, bf16 weights).
 
-bf16 halves the work only where the hardware has bf16 matrix units: CUDA GPUs that support it and CPUs with AMX
-(measured on this project's 2-core Sapphire Rapids CI kind: an EAGLE training step 2.9 s -> 1.4 s; regeneration
-1.8x faster).
+bf16 halves the work only where the hardware computes bf16 products natively: CUDA GPUs that support it, and CPUs
+with AMX for everything (measured on this project's 2-core Sapphire Rapids CI kind: an EAGLE training step
+2.9 s -> 1.4 s; regeneration 1.8x faster). CPUs with AVX512_BF16 dot products but no AMX speed up large products
+only: on the 2-core AMD EPYC CI kind that has them, a [1300, 576] x [576, 8192] product takes 71 ms in fp32 and
+17 ms in bf16, a distill step 0.82 s -> 0.45 s under autocast, but regenerating the default data (32-row decode
+steps) took 403 s in bf16 against 382 s in fp32, so only training uses bf16 there.
 Elsewhere bf16 on a CPU is emulated and slower than fp32, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
@@ -13,21 +16,27 @@ import torch
 from kernels.cpu_gemm import cpu_info
 
 PRECISIONS = ("auto", "fp32", "bf16")
+BF16_EVERYWHERE = {"amx_bf16"}  # CPU flags under which whole models run faster in bf16
+BF16_TRAINING = BF16_EVERYWHERE | {"avx512_bf16"}  # ... under which training's large products do
 
 
-def bf16_is_fast(device: torch.device) -> bool:
+def bf16_is_fast(device: torch.device, training: bool = False) -> bool:
+    """Whether bf16 beats fp32 on `device`: for training's autocast products, or (training=False) for a whole
+    model's forward, decode steps included."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and "amx_bf16" in cpu_info("flags").split()
+    flags = set(cpu_info("flags").split())
+    return device.type == "cpu" and bool(flags & (BF16_TRAINING if training else BF16_EVERYWHERE))
 
 
 def float_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 where `precision` means it on `device` (see use_bf16), else fp32."""
+    """bf16 where `precision` means it on `device` for a whole model (see use_bf16), else fp32."""
     return torch.bfloat16 if use_bf16(precision, device) else torch.float32
 
 
-def use_bf16(precision: str, device: torch.device) -> bool:
-    """Whether `precision` (auto | fp32 | bf16) means bf16 on `device` (autocast in training, weights in prepare)."""
+def use_bf16(precision: str, device: torch.device, training: bool = False) -> bool:
+    """Whether `precision` (auto | fp32 | bf16) means bf16 on `device`: autocast in training (training=True),
+    weights in prepare and validate."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
-    return precision == "bf16" or (precision == "auto" and bf16_is_fast(device))
+    return precision == "bf16" or (precision == "auto" and bf16_is_fast(device, training))

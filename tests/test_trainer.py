@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import train.checkpoint as checkpoint
+from runtime import precision
 from runtime.precision import bf16_is_fast, use_bf16
 from train.batches import Batches, shard_rows
 from train.data import TokenizedSet
@@ -210,10 +211,18 @@ def test_bf16_autocast_runs_the_loss_in_bf16_and_keeps_fp32_weights(tmp_path):
     assert logged[-1]["loss"] < 0.3 * logged[0]["loss"] and logged[-1]["top1"] > 0.9
 
 
-def test_precision_auto_means_bf16_only_where_it_is_fast():
+@pytest.mark.parametrize("flags, training, inference", [
+    ("fpu avx2 fma", False, False),  # the AVX2 AMD kind: bf16 emulated
+    ("avx2 avx512f avx512_bf16", True, False),  # bf16 dot products: big products only
+    ("avx2 avx512_bf16 amx_bf16 amx_tile", True, True),  # AMX: whole models too
+])
+def test_precision_auto_means_bf16_only_where_it_is_fast(monkeypatch, flags, training, inference):
     cpu = torch.device("cpu")
-    assert use_bf16("bf16", cpu) and not use_bf16("fp32", cpu)
-    assert use_bf16("auto", cpu) == bf16_is_fast(cpu)
+    monkeypatch.setattr(precision, "cpu_info", lambda field: flags if field == "flags" else "")
+    assert bf16_is_fast(cpu, training=True) == training and bf16_is_fast(cpu) == inference
+    assert use_bf16("auto", cpu, training=True) == training and use_bf16("auto", cpu) == inference
+    assert (precision.float_dtype("auto", cpu) == torch.bfloat16) == inference
+    assert use_bf16("bf16", cpu) and not use_bf16("fp32", cpu, training=True)
     with pytest.raises(ValueError, match="precision='fp16'"):
         use_bf16("fp16", cpu)
 

@@ -218,6 +218,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != self.weight.dtype:  # autocast's bf16 input, fp32 weight: the mixed call has no fused kernel
+            return F.rms_norm(x.to(self.weight.dtype), self.weight.shape, self.weight, self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, fp32 accumulation
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import (Linear, ModelConfig, Taps, Transformer, onednn_packs, own_fp32_kernel,
+from runtime.model import (Linear, ModelConfig, RMSNorm, Taps, Transformer, onednn_packs, own_fp32_kernel,
                            packed_min_fp32_rows)
 from runtime.tree import DraftTree
 
@@ -254,6 +254,21 @@ def test_prepacked_bf16_products_give_every_row_its_one_row_result():
     x = torch.randn(1, 70, 576, dtype=torch.bfloat16)
     one_row = torch.cat([linear(x[:, i:i + 1]) for i in range(70)], dim=1)
     assert torch.equal(linear(x), one_row)
+
+
+def test_rms_norm_under_autocast_takes_the_fused_kernel_with_the_mixed_result():
+    """bf16 activations with fp32 weights (distill's autocast): the mixed call runs unfused (and warns); ours
+    computes the same values through the fused kernel."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    norm, x = RMSNorm(576, 1e-5), torch.randn(64, 576).bfloat16()
+    norm.weight.data.normal_()
+    mixed = torch.nn.functional.rms_norm(x, (576,), norm.weight, 1e-5)
+    with profile() as prof:
+        ours = norm(x)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, mixed)
+    assert "aten::_fused_rms_norm" in {e.name for e in prof.events()}
 
 
 def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):

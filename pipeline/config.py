@@ -59,7 +59,7 @@ class DistillCfg(Section):
     batch_size: int = Field(8, ge=1)
     lr: float = Field(1e-3, gt=0)
     warmup: int = Field(50, ge=0)
-    weight_decay: float = Field(0.0, ge=0)  # AdamW's, on weight matrices only
+    weight_decay: float = Field(1.0, ge=0)  # AdamW's, on weight matrices: the eagle head memorises its few rows
     ckpt_every: int = Field(250, ge=1)
     noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
     ttt_depth: int = Field(2, ge=1)  # eagle: draft depths trained the way they are drafted (1 = teacher forcing)

@@ -98,7 +98,9 @@ def simulated_chain(model: EagleModel, target: Transformer, batches: list[dict],
     for batch in batches:
         t = target_features(target, batch)
         ids, f, mask = batch["input_ids"], t.features, t.mask
-        greedy = target.output(f).argmax(-1)  # the target's choice for the token after each position
+        # the target's choice for the token after each position, a row at a time: the [B, T, vocab] logits of
+        # distill's 16 eval rows would take ~1 GB
+        greedy = torch.cat([target.output(row).argmax(-1) for row in f.split(1)])
         alive = mask[:, 2:].clone()
         starts += int(alive.sum())
         for d, pred in enumerate(unroll(model, ids, f[:, :-1], min(depth, ids.shape[1] - 2)), start=1):

@@ -97,8 +97,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     train_set = TokenizedSet.load(prep / "train.safetensors")
     model, loss_fn, keep = build(ctx, target, train_set)
     spec = TrainSpec(steps=s.steps, lr=s.lr, warmup=min(s.warmup, s.steps - 1), weight_decay=s.weight_decay,
-                     ckpt_every=s.ckpt_every,
-                     eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed,
+                     ckpt_every=s.ckpt_every, eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed,
                      bf16_autocast=use_bf16(s.precision, target.device, training=True))
     # Checkpoints live outside the atomic stage dir, keyed by the inputs digest: a killed distill resumes.
     ckpt = ctx.store.dir / f".distill-ckpt-{ctx.digest[:16]}"

@@ -178,12 +178,15 @@ class Engine:
             tree = DraftTree.empty(device)
             if speculating and room > 0:
                 tree = drafter.propose(stats.budget(room), params, generator)
-                if lookup is not None and room > len(tree):
-                    tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room - len(tree))), params))
-                if cfg.max_tree and params.greedy:
-                    tree = tree.best(cfg.max_tree)
                 if len(tree) > room:
                     raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
+                if lookup is not None:
+                    # both branches draft within the room and the best-scored nodes of their union fill it: the
+                    # drafter's tree first would starve the lookup branch once a reply nears max_new_tokens
+                    tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room)), params))
+                cap = min(cfg.max_tree, room) if cfg.max_tree and params.greedy else room
+                if len(tree) > cap:  # greedy only: a union with the lookup branch, or max_tree
+                    tree = tree.best(cap)
                 stats.draft_s += clock.lap()
 
             length = cache.lengths[0]

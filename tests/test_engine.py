@@ -108,6 +108,28 @@ def test_lookup_branch_adds_accepted_tokens_and_stays_lossless(target):
         EngineConfig(lookup=-1)
 
 
+class ScoredWrongDrafter(NoisyOracle):
+    """Always wrong, and says so: its nodes score far below the lookup branch's."""
+
+    def propose(self, budget, params, generator=None):
+        tree = super().propose(budget, params, generator)
+        return DraftTree(tree.tokens, tree.parents, scores=-10.0 * tree.depths().float())
+
+
+def test_a_wide_tree_does_not_starve_the_lookup_branch_near_the_end_of_a_reply(target):
+    """Near max_new_tokens the room for nodes shrinks; the union keeps the best-scored nodes, so a wrong drafter's
+    12-node tree leaves the lookup branch as many accepted tokens as a 1-node one does."""
+    want = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 60).tokens
+    forwards = {}
+    for nodes in (1, 12):
+        drafter = ScoredWrongDrafter(target.config.vocab_size, [], p_right=0.0, width=3, seed=0)
+        cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(4, 3, nodes), adaptive=False, lookup=6)
+        gen = Engine(target, drafter, cfg).generate(PROMPT, 60)
+        assert gen.tokens == want
+        forwards[nodes] = gen.metrics.target_forwards
+    assert forwards[12] <= forwards[1] + 2, forwards
+
+
 def test_max_tree_cuts_each_verify_to_its_likeliest_nodes_and_stays_lossless(target):
     """The n-gram drafter's tree plus the lookup branch, cut to 3 nodes a verify: greedy output unchanged, no verify
     over the cap, and the cut keeps what gets accepted (the repeating tiny target's continuations)."""

@@ -136,15 +136,19 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
               "prompts_per_round": PROMPTS_PER_ROUND, "new_tokens": new_tokens, "sweep": sweep}
     (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_budgets(sweep, out / "draft_budget.png")
-    label = f"depth {best['depth']} width {best['width']} nodes {best['nodes']}" + " adaptive" * best["adaptive"] \
-        + f" + lookup {best['lookup']}" * bool(best["lookup"]) + f", cut to {best['max_tree']}" * bool(best["max_tree"])
     metrics = {"budget_speedup": best["speedup"], "budget_tokens_per_s": best["tokens_per_s"],
                "budget_nodes": float(best["nodes"]), "budget_lookup": float(best["lookup"]),
                "budget_tokens_per_s_ar": ar_rate}
     return ({"draft_budget": "draft_budget.json", "draft_budget_plot": "draft_budget.png"}, metrics,
-            f"draft budget {label}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
+            f"draft budget {budget_label(best)}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
             + (")" if best["tau"] >= min_tau and best["speedup"] >= min_speedup else
                f"; none reaches tau {min_tau:.2f} at {min_speedup:.2f}x)"))
+
+
+def budget_label(b: dict) -> str:
+    """'2x2/4 + lookup 8, cut to 5' for a budget dict (depth, width, nodes, adaptive, lookup, max_tree)."""
+    return f"{b['depth']}x{b['width']}/{b['nodes']}" + " adaptive" * b["adaptive"] \
+        + f" + lookup {b['lookup']}" * bool(b["lookup"]) + f", cut to {b['max_tree']}" * bool(b["max_tree"])
 
 
 def plot_budgets(sweep: list[dict], path: Path) -> Path:

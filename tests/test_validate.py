@@ -206,3 +206,27 @@ def test_validate_refuses_a_tampered_bundle(exported, tiny_llama_dir):
     with pytest.raises(BundleError, match="tampered"):
         run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
     assert exported.record("validate") is None  # nothing half-written for register to find
+
+
+def test_validate_also_measures_the_configured_tree_beside_the_served_budget(tmp_path, tiny_llama_dir):
+    """Calibrate chose a one-node chain; validate serves it and also reports the drafter with the whole configured
+    tree (3x2/6), which is what the drafter can reach."""
+    store = _prepared_store(tmp_path, tiny_llama_dir, _ngram_files())
+
+    def calibrate(ctx):
+        chosen = {"depth": 1, "width": 1, "nodes": 1, "adaptive": False, "lookup": 0, "max_tree": 0}
+        (ctx.out / "draft_budget.json").write_text(json.dumps({"chosen": chosen}))
+        return StageResult(outputs={"draft_budget": "draft_budget.json"})
+
+    run_stage_on(store, "calibrate", _config(), tiny_llama_dir, calibrate)
+    run_stage_on(store, "export", _config(), tiny_llama_dir, run_export)
+    rec = run_stage_on(store, "validate", _config(), tiny_llama_dir, run_validate)
+    out = store.stage_dir("validate")
+    report = json.loads((out / REPORT_JSON).read_text())
+    full = report["configured_tree"]
+    assert report["budget"]["nodes"] == 1 and len(report["temperatures"][0]["acceptance_by_depth"]) <= 1
+    assert full["budget"] == {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 0, "max_tree": 0}
+    assert full["lossy_prompts"] == 0 and len(full["acceptance_by_depth"]) == 3
+    assert rec["metrics"]["tau_configured"] == full["tau"] >= 1.0
+    assert "With the configured tree (3x2/6)" in (out / REPORT_MD).read_text()
+    assert "tau" in rec["message"] and "configured tree (3x2/6)" in rec["message"]

@@ -47,7 +47,7 @@ class DrafterCfg(Section):
     depth: int = Field(6, ge=1)  # draft tree budget used by validate and serving
     width: int = Field(4, ge=1)
     nodes: int = Field(24, ge=0)
-    lookup: int = Field(8, ge=0)  # n-gram lookup branch merged into greedy draft trees, calibrate tries 0 and this
+    lookup: int = Field(16, ge=0)  # n-gram lookup branch merged into greedy draft trees, calibrate tries 0 and this
     lm_layers: int = Field(4, ge=1)  # lm: decoder layers of the small independent LM
     lm_init: Literal["target", "random"] = "target"  # lm: start from the target's embeddings and first layers
     lm_base: str | None = None  # lm: an existing small causal LM (HF dir or hub id) to LoRA-tune instead

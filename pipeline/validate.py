@@ -204,7 +204,7 @@ def write_plots(out: Path, rows: list[dict], configured: dict) -> None:
     fig = Figure(figsize=(5, 3.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    curves = [(r["acceptance_by_depth"], f"T={r['temperature']:g}", "-") for r in rows]
+    curves = [(r["acceptance_by_depth"], f"served budget, T={r['temperature']:g}", "-") for r in rows]
     curves.append((configured["acceptance_by_depth"], "configured tree, T=0", "--"))
     for acc, label, style in curves:
         ax.plot(range(1, len(acc) + 1), acc, style, marker="o", label=label)

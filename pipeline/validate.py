@@ -8,6 +8,8 @@ the n-gram lookup branch also HF prompt lookup decoding (`generate(prompt_lookup
 drafter-free counterpart of that branch). Greedy losslessness (speculative
 tokens == autoregressive tokens) is always measured, so temperature 0 is added when the config lists only
 sampling temperatures. Headline metrics are the worst case over the temperatures measured; the gate reads them.
+Then, untimed and greedy, the drafter runs once more with the whole configured tree and lookup branch
+(`tau_configured`): what it can reach, where the served budget is the fastest calibrate found.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, write_json_atomic
 from pipeline.runstore import StageResult
 from pipeline.stages import StageContext
-from runtime.engine import EngineConfig, Metrics
+from runtime.engine import Engine, Metrics
 from runtime.sampling import SamplingParams
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
@@ -108,13 +108,13 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     from runtime.bench import device_name, generation_stop_ids, hf_generate
     from runtime.bundle import read_bundle
     from runtime.drafters import build_drafter
-    from runtime.engine import Engine
+    from runtime.engine import EngineConfig
 
     bundle = read_bundle(ctx.input("export") / "bundle", target_fingerprint(ctx.target_dir))  # refuses tampering
     v, configured = ctx.cfg.validate, draft_budget(ctx)
     settings = bundle.engine_settings(configured)  # serving's settings
     budget = settings["budget"]
-    lookup = ctx.cfg.drafter.lookup if bundle.kind != "ngram" else 0  # an ngram drafter is its own lookup
+    lookup = ctx.cfg.drafter.lookup
     max_seq_len = max(map(len, prompts)) + v.max_new_tokens + max(budget.max_nodes, configured.max_nodes + lookup) + 1
     target = load_target(ctx, max_seq_len, v.precision)
     hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
@@ -150,14 +150,20 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     full = Engine(target, build_drafter(bundle, target, max_seq_len), full_cfg)
     configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed)["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
-            "budget": budget_dict(engine_cfg), "timed": timed,
-            "configured_tree": {"budget": budget_dict(full_cfg), "timed": configured_tree}}
+            "budget": budget_dict(engines["spec"]), "timed": timed,
+            "configured_tree": {"budget": budget_dict(full), "timed": configured_tree}}
 
 
-def budget_dict(cfg: EngineConfig) -> dict:
-    b = cfg.budget
-    return {"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": cfg.adaptive, "lookup": cfg.lookup,
-            "max_tree": cfg.max_tree}
+def budget_dict(engine: Engine) -> dict:
+    """The draft budget `engine` runs, its lookup branch as the engine uses it (an ngram drafter has none)."""
+    cfg, b = engine.cfg, engine.cfg.budget
+    return {"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": cfg.adaptive,
+            "lookup": cfg.lookup if engine.lookup is not None else 0, "max_tree": cfg.max_tree}
+
+
+def lossy_prompts(spec: Timed, ar: Timed) -> int:
+    """Prompts on which greedy speculation's tokens differ from our autoregressive decode's."""
+    return sum(a != b for a, b in zip(spec.tokens, ar.tokens))
 
 
 def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
@@ -171,7 +177,7 @@ def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
             row |= {f"tokens_per_s_{peer}": timed[peer].tokens_per_s,
                     f"speedup_{peer}": spec.tokens_per_s / timed[peer].tokens_per_s}
     if t == 0.0:
-        row["lossy_prompts"] = sum(a != b for a, b in zip(spec.tokens, ar.tokens))
+        row["lossy_prompts"] = lossy_prompts(spec, ar)
     return row
 
 
@@ -248,7 +254,7 @@ def run_validate(ctx: StageContext) -> StageResult:
     full = measured["configured_tree"]
     configured = {"budget": full["budget"], "tau": full["timed"].tau(len(prompts)),
                   "acceptance_by_depth": full["timed"].acceptance_by_depth,
-                  "lossy_prompts": sum(a != b for a, b in zip(full["timed"].tokens, measured["timed"][0.0]["ar"].tokens))}
+                  "lossy_prompts": lossy_prompts(full["timed"], measured["timed"][0.0]["ar"])}
     metrics = {k: min(r[k] for r in rows) for k in HEADLINE + PEER_HEADLINE if k in rows[0]}
     metrics |= {"lossless": lossy == 0, "lossy_prompts": lossy, "tau_configured": configured["tau"]}
     reasons = gate_reasons(metrics, v.gate)

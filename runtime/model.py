@@ -293,7 +293,8 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
         keys, values = cache.write(layer, slots, k, v, n_live)
         q = q.transpose(1, 2)  # [B, H, T, D]
-        out = pick_backend(x.device)(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
+        attend = getattr(cache, "attend", None) or pick_backend(x.device)  # a cache may bring its own (train.ttt)
+        out = attend(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
         if rows is not None:
             out = out.reshape(B * T, H * D).index_select(0, rows)
         return self.wo(out), attention_weights(q, keys, mask) if want_weights else None

@@ -15,11 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime.attention import pick_backend
 from runtime.eagle import EagleModel
 
 
 class ChainKV:
-    """KVCache stand-in for the unroll: each depth's keys are appended out of place (autograd-safe)."""
+    """KVCache stand-in for the unroll: each depth's keys are appended out of place (autograd-safe), and its
+    attention (`attend`, which runtime.model.Attention calls in place of the backend) uses the mask's structure."""
 
     def __init__(self):
         self.k: Tensor | None = None
@@ -30,6 +32,27 @@ class ChainKV:
         self.k = k if self.k is None else torch.cat([self.k, k], 2)
         self.v = v if self.v is None else torch.cat([self.v, v], 2)
         return self.k, self.v
+
+    @staticmethod
+    def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor | None) -> Tensor:
+        """Attention under unroll_mask: q [B, H, n, D] of depth d over keys [B, Hkv, d*n, D]. Depth 1 is plain
+        causal attention (the device's backend). From depth 2 on a query sees the causal true pairs plus one key
+        per earlier depth, its own chain's: scored here as n causal columns plus d-1 elementwise products. SDPA
+        would compute all d*n columns under the mask; this costs half as much at depth 2 on CPU."""
+        B, H, n, D = q.shape
+        Hkv, depth = keys.shape[1], keys.shape[2] // n
+        if depth == 1 or keep is not None:
+            return pick_backend(q.device)(q, keys, values, mask, keep)
+        G = H // Hkv
+        qg = q.reshape(B, Hkv, G, n, D)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        pairs = (qg.flatten(2, 3) @ keys[:, :, :n].transpose(-1, -2)).view(B, Hkv, G, n, n)
+        chain_k, chain_v = (x[:, :, n:].unflatten(2, (depth - 1, n)) for x in (keys, values))  # [B, Hkv, d-1, n, D]
+        chain = torch.einsum("bhgtd,bhktd->bhgtk", qg, chain_k)
+        scores = torch.cat([pairs.float().masked_fill(~causal, float("-inf")), chain.float()], -1) * D ** -0.5
+        w = scores.softmax(-1).to(q.dtype)
+        out = (w[..., :n].flatten(2, 3) @ values[:, :, :n]).view(B, Hkv, G, n, D)
+        return (out + torch.einsum("bhgtk,bhktd->bhgtd", w[..., n:], chain_v)).view(B, H, n, D)
 
 
 def unroll_mask(n: int, depth: int, device: torch.device) -> Tensor:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
-from pipeline.distill import draft_budget, load_target, measure_tau
+from pipeline.distill import TauProbe, draft_budget, load_target, tau_probe
 from pipeline.budget_calibration import calibrate_budget
 from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult
@@ -63,13 +63,13 @@ def choose_scheme(candidates: list[dict], tolerance: float) -> str:
 
 
 def calibrate_quant(ctx: StageContext, target: Transformer, config: dict, tensors: dict[str, torch.Tensor],
-                    prompts: list[list[int]], s: CalibrateSettings) -> dict:
+                    probe: TauProbe, s: CalibrateSettings) -> dict:
     """Measure tau for fp32 and each scheme, write quant.json (+ quant.safetensors unless fp32 wins)."""
-    budget, kind = draft_budget(ctx), config["kind"]
+    kind = config["kind"]
 
     def tau_of(weights: dict[str, torch.Tensor]) -> float:
         model = build_drafter_model(config, target, weights)
-        return measure_tau(target, runtime_drafter(kind, model, target), prompts, budget, s.tau_new_tokens)["tau"]
+        return probe.measure(target, runtime_drafter(kind, model, target))["tau"]
 
     fp32_tau = tau_of(tensors)
     candidates, packed = [], {}
@@ -88,7 +88,7 @@ def calibrate_quant(ctx: StageContext, target: Transformer, config: dict, tensor
     tolerance = ctx.cfg.calibrate.tau_tolerance
     chosen = choose_scheme(candidates, tolerance)
     report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": stored_bytes(tensors),
-              "tau_tolerance": tolerance, "tau_prompts": len(prompts), "candidates": candidates,
+              "tau_tolerance": tolerance, "tau_prompts": len(probe.prompts), "candidates": candidates,
               "target_perplexity": "unchanged: only drafter weights are quantised"}
     (ctx.out / "quant.json").write_text(json.dumps(report, indent=2) + "\n")
     if chosen != "fp32":
@@ -128,7 +128,8 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     prompts = prompts_from(val, s.tau_prompts)
     if not prompts:
         raise ValueError("calibrate: the validation split has no row with a prompt before its assistant turn")
-    quant = calibrate_quant(ctx, target, config, tensors, prompts, s)
+    probe = tau_probe(ctx, prompts, s.tau_new_tokens)
+    quant = calibrate_quant(ctx, target, config, tensors, probe, s)
     outputs = {"quant": "quant.json"}
     if quant["chosen"] != "fp32":
         outputs["quant_weights"] = "quant.safetensors"
@@ -146,9 +147,8 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     timed_model = model if timed is target else build_drafter_model(config, timed, tensors)
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
         ctx.out, target, runtime_drafter(kind, model, target), rows, schemes=c.kv_schemes, recent=c.kv_recent,
-        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts, budget=draft_budget(ctx),
-        tau_new_tokens=s.tau_new_tokens, dense_tau=quant["fp32_tau"], timed=timed,
-        decode_context=min(c.tokens, timed.max_seq_len - 1),  # rows are only cut to c.tokens: it may be larger
+        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=probe, dense_tau=quant["fp32_tau"],
+        timed=timed, decode_context=min(c.tokens, timed.max_seq_len - 1),  # rows are cut to c.tokens: may be larger
         max_slowdown=c.kv_max_slowdown)
     outputs |= kv_outputs
     metrics |= kv_metrics
@@ -166,8 +166,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     if kind == "eagle":
         spec_outputs, spec_metrics, spec_message = calibrate_specattn(
             ctx.out, target, model, runtime_drafter(kind, model, target), rows,
-            dense_first=c.dense_first, top_p=c.top_p, ppl_tolerance=c.ppl_tolerance, tau_prompts=prompts,
-            budget=draft_budget(ctx), tau_new_tokens=s.tau_new_tokens)
+            dense_first=c.dense_first, top_p=c.top_p, ppl_tolerance=c.ppl_tolerance, probe=probe)
         outputs |= spec_outputs
         metrics |= spec_metrics
         message += spec_message

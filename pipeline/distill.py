@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
@@ -34,24 +35,38 @@ def draft_budget(ctx: StageContext) -> DraftBudget:
     return DraftBudget(depth=d.depth, width=d.width, nodes=d.nodes)
 
 
-def measure_tau(target: Transformer, drafter, prompts: list[list[int]], budget: DraftBudget,
-                max_new_tokens: int, sparse: SpecAttnConfig | None = None, kv: KVQuant | None = None,
+@dataclass(frozen=True)
+class TauProbe:
+    """How distill and calibrate measure real tau: greedy speculative generation in the runtime (no fallback) of
+    up to `new_tokens` per held-out prompt, with the draft budget, ending at end of turn as serving does."""
+    prompts: list[list[int]]
+    budget: DraftBudget
+    new_tokens: int
+    stop_ids: tuple[int, ...] = ()
+
+    def measure(self, target: Transformer, drafter, sparse: SpecAttnConfig | None = None, kv: KVQuant | None = None,
                 lookup: int = 0) -> dict:
-    """Real tau: greedy speculative generation in the runtime on held-out prompts (no fallback). With `sparse`
-    the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are reported too; with `kv`
-    the target's and the drafter's KV histories are quantised; with `lookup` the n-gram lookup branch joins the
-    drafter's trees."""
-    engine = Engine(target, drafter, EngineConfig(
-        max_seq_len=target.max_seq_len, budget=budget, adaptive=False, sparse=sparse,
-        kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent, lookup=lookup))
-    forwards = tokens = 0
-    saved = []
-    for ids in prompts:
-        m = engine.generate(ids, max_new_tokens, SamplingParams()).metrics
-        forwards, tokens = forwards + m.target_forwards, tokens + m.new_tokens - 1  # the first token is prefill's
-        saved.append(m.kv_saved)
-    tau = {"tau": tokens / max(forwards, 1), "tau_prompts": len(prompts)}
-    return tau if sparse is None else {**tau, "kv_saved": sum(saved) / max(len(saved), 1)}
+        """With `sparse` the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are
+        reported too; with `kv` the target's and the drafter's KV histories are quantised; with `lookup` the n-gram
+        lookup branch joins the drafter's trees."""
+        engine = Engine(target, drafter, EngineConfig(
+            max_seq_len=target.max_seq_len, budget=self.budget, adaptive=False, sparse=sparse,
+            kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent, lookup=lookup))
+        forwards = tokens = 0
+        saved = []
+        for ids in self.prompts:
+            m = engine.generate(ids, self.new_tokens, SamplingParams(), None, self.stop_ids).metrics
+            forwards, tokens = forwards + m.target_forwards, tokens + m.new_tokens - 1  # the first is prefill's
+            saved.append(m.kv_saved)
+        tau = {"tau": tokens / max(forwards, 1), "tau_prompts": len(self.prompts), "tau_tokens": tokens}
+        return tau if sparse is None else {**tau, "kv_saved": sum(saved) / max(len(saved), 1)}
+
+
+def tau_probe(ctx: StageContext, prompts: list[list[int]], new_tokens: int) -> TauProbe:
+    """The run's TauProbe: the configured draft budget, the target's end-of-turn ids."""
+    from runtime.bench import generation_stop_ids
+
+    return TauProbe(prompts, draft_budget(ctx), new_tokens, generation_stop_ids(ctx.target_dir))
 
 
 def build(ctx: StageContext, target: Transformer, train_set: TokenizedSet):
@@ -117,10 +132,10 @@ def run_distill(ctx: StageContext) -> StageResult:
     (ctx.out / "drafter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     # measured exactly as the bundle reader will build it: from the saved config and tensors
     drafter = runtime_drafter(d.kind, drafter_module(config, target, tensors), target, keep_ids=keep)
-    prompts = prompts_from(val, 4)
-    tau = measure_tau(target, drafter, prompts, draft_budget(ctx), 48)
+    probe = tau_probe(ctx, prompts_from(val, 4), 48)
+    tau = probe.measure(target, drafter)
     if d.lookup:  # what serving's trees can reach when calibrate keeps the branch
-        tau["tau_lookup"] = measure_tau(target, drafter, prompts, draft_budget(ctx), 48, lookup=d.lookup)["tau"]
+        tau["tau_lookup"] = probe.measure(target, drafter, lookup=d.lookup)["tau"]
     metrics = {**{k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}, **tau,
                "steps": result["step"], "train_seconds": round(result["seconds"], 1),
                "offline_features": int(features is not None)}

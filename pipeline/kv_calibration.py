@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.distill import measure_tau
+from pipeline.distill import TauProbe
 from pipeline.specattn_calibration import next_token_nll, perplexity
 from runtime.bundle import KV_QUANT, NO_KV_QUANT
 from runtime.device import synchronizer
-from runtime.drafter import DraftBudget, Drafter
+from runtime.drafter import Drafter
 from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
 
@@ -83,12 +83,12 @@ def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance
 
 
 def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[torch.Tensor], *, schemes: list[str],
-                 recent: int, tau_tolerance: float, ppl_tolerance: float, tau_prompts: list[list[int]],
-                 budget: DraftBudget, tau_new_tokens: int, dense_tau: float, timed: Transformer,
-                 decode_context: int, max_slowdown: float) -> tuple[dict[str, str], dict[str, float], str]:
+                 recent: int, tau_tolerance: float, ppl_tolerance: float, probe: TauProbe,
+                 dense_tau: float, timed: Transformer, decode_context: int,
+                 max_slowdown: float) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes kv_quant.json (every candidate's measurements and the choice; export ships it in the bundle, whose
-    Bundle.kv_settings() the runtime's engines apply) to `out`. `dense_tau`: measured on the same prompts and budget
-    with a full-precision cache (calibrate's fp32 drafter tau). `timed`: the target in the precision validate and
+    Bundle.kv_settings() the runtime's engines apply) to `out`. `dense_tau`: measured by the same probe with a
+    full-precision cache (calibrate's fp32 drafter tau). `timed`: the target in the precision validate and
     serving run, whose decode step is timed after `decode_context` tokens."""
     dense_ppl = perplexity([quantized_nll(target, r, None) for r in rows])
     times = decode_ms(timed, {NO_KV_QUANT: None, **{s: KVQuant(s, recent) for s in schemes}}, decode_context)
@@ -96,7 +96,7 @@ def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[to
     for scheme in schemes:
         quant = KVQuant(scheme, recent)
         ppl = perplexity([quantized_nll(target, r, quant) for r in rows])
-        tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens, kv=quant)["tau"]
+        tau = probe.measure(target, drafter, kv=quant)["tau"]
         candidates.append({"scheme": scheme, "perplexity": ppl, "ppl_change": ppl / dense_ppl - 1, "tau": tau,
                            "tau_drop": (dense_tau - tau) / dense_tau, "target_bits": quant.read_bits(head_dim),
                            "draft_bits": KVQuant(scheme, recent, reader="draft").read_bits(head_dim),

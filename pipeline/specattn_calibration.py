@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from export.layer_map import LayerMap, kl_similarity, plot_layer_map
-from pipeline.distill import measure_tau
+from pipeline.distill import TauProbe
 from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
-from runtime.drafter import DraftBudget, Drafter
+from runtime.drafter import Drafter
 from runtime.eagle import EagleModel, on_target_keys
 from runtime.model import Taps, Transformer
 
@@ -116,9 +116,8 @@ def teacher_forced(target: Transformer, rows: list[CalibrationRow], sparse: Spec
 
 
 def measure_top_p(target: Transformer, drafter: Drafter, rows: list[CalibrationRow], sparse: SpecAttnConfig,
-                  dense_ppl: float, dense_tau: float, tau_prompts: list[list[int]], budget: DraftBudget,
-                  tau_new_tokens: int) -> dict:
-    tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens, sparse=sparse)
+                  dense_ppl: float, dense_tau: float, probe: TauProbe) -> dict:
+    tau = probe.measure(target, drafter, sparse=sparse)
     return {**teacher_forced(target, rows, sparse, draft_selector, dense_ppl), "tau": tau["tau"],
             "tau_change": tau["tau"] / dense_tau - 1, "kv_saved_generating": tau["kv_saved"]}
 
@@ -163,17 +162,17 @@ def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, 
 
 
 def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafter: Drafter, ids: list[torch.Tensor],
-                       *, dense_first: int, top_p: list[float], ppl_tolerance: float, tau_prompts: list[list[int]],
-                       budget: DraftBudget, tau_new_tokens: int) -> tuple[dict[str, str], dict[str, float], str]:
+                       *, dense_first: int, top_p: list[float], ppl_tolerance: float,
+                       probe: TauProbe) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
     when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message)."""
     rows = [calibration_row(target, eagle, r) for r in ids]
     S, layer_map = fit_layer_map(rows, dense_first)
     settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
     dense_ppl = perplexity([r.dense_nll for r in rows])
-    dense_tau = measure_tau(target, drafter, tau_prompts, budget, tau_new_tokens)["tau"]
+    dense_tau = probe.measure(target, drafter)["tau"]
     sweep = [measure_top_p(target, drafter, rows, SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first),
-                           dense_ppl, dense_tau, tau_prompts, budget, tau_new_tokens) for p in sorted(top_p)]
+                           dense_ppl, dense_tau, probe) for p in sorted(top_p)]
     chosen = choose_top_p(sweep, ppl_tolerance)
     ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, dense_ppl) for p in sorted(top_p)]
     ceiling_chosen = choose_top_p(ceiling, ppl_tolerance)

@@ -1,14 +1,18 @@
 """Each drafter kind learns on a tiny target, survives the bundle round trip, and keeps greedy output exact."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from helpers import self_distilled_rows
 from export.bundle import write_bundle
+from pipeline.distill import TauProbe
 from runtime.bundle import read_bundle
 from runtime.drafter import DraftBudget
 from runtime.drafters import DRAFT_VOCAB, build_drafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
+from runtime.ngram import NgramDrafter
 from runtime.sampling import SamplingParams
 from train import recipes
 from train.batches import Batches
@@ -65,3 +69,15 @@ def test_drafter_learns_and_stays_lossless(kind, target, self_distilled, tmp_pat
         assert got.tokens == want
         taus.append(got.metrics.tau)
     assert sum(taus) / len(taus) > min_tau  # the trained drafter is accepted beyond the bonus token
+
+
+def test_the_tau_probe_ends_each_reply_at_end_of_turn(target):
+    """Distill's and calibrate's tau stops where serving and validate stop, not max_new_tokens later."""
+    prompt = [5, 9, 13, 17, 21, 25]
+    plain = Engine(target, None, EngineConfig(max_seq_len=256)).generate(prompt, 30, SamplingParams()).tokens
+    stop = plain[6]
+    probe = TauProbe([prompt], DraftBudget(depth=3, width=1, nodes=3), 30)
+    full = probe.measure(target, NgramDrafter(target.config.vocab_size))
+    ended = replace(probe, stop_ids=(stop,)).measure(target, NgramDrafter(target.config.vocab_size))
+    assert full["tau_tokens"] == 29  # the first token is the prefill's, not a speculative step's
+    assert ended["tau_tokens"] == plain.index(stop) < 29

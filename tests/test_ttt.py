@@ -110,3 +110,20 @@ def test_eagle_loss_equals_the_loss_over_every_row(target):
     assert len(grads) == len(plain_grads) > 0
     for g, ref in zip(grads, plain_grads):
         torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_unroll_attention_equals_masked_sdpa_and_its_gradients(depth):
+    from runtime.attention import pick_backend
+    from train.ttt import ChainKV, unroll_mask
+
+    torch.manual_seed(depth)
+    n, shapes = 11, {"q": (2, 6, 11, 8), "keys": (2, 2, depth * 11, 8), "values": (2, 2, depth * 11, 8)}
+    inputs = {k: torch.randn(s, dtype=torch.float64, requires_grad=True) for k, s in shapes.items()}
+    mask, grad = unroll_mask(n, depth, torch.device("cpu")), torch.randn(shapes["q"], dtype=torch.float64)
+    results = []
+    for attend in (ChainKV.attend, pick_backend(torch.device("cpu"))):
+        out = attend(inputs["q"], inputs["keys"], inputs["values"], mask, None)
+        results.append((out, *torch.autograd.grad(out, list(inputs.values()), grad)))
+    for ours, reference in zip(*results):
+        torch.testing.assert_close(ours, reference, atol=1e-10, rtol=1e-10)

@@ -19,6 +19,9 @@ from runtime.attention import pick_backend
 from runtime.eagle import EagleModel
 
 
+MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the default's is ~42 MB)
+
+
 class ChainKV:
     """KVCache stand-in for the unroll: each depth's keys are appended out of place (autograd-safe), and its
     attention (`attend`, which runtime.model.Attention calls in place of the backend) uses the mask's structure."""
@@ -38,10 +41,11 @@ class ChainKV:
         """Attention under unroll_mask: q [B, H, n, D] of depth d over keys [B, Hkv, d*n, D]. Depth 1 is plain
         causal attention (the device's backend). From depth 2 on a query sees the causal true pairs plus one key
         per earlier depth, its own chain's: scored here as n causal columns plus d-1 elementwise products. SDPA
-        would compute all d*n columns under the mask; this costs half as much at depth 2 on CPU."""
+        would compute all d*n columns under the mask; this costs half as much at depth 2 on CPU. It holds the
+        scores whole, so long rows, and GPUs (whose SDPA kernels never do), keep the backend."""
         B, H, n, D = q.shape
         Hkv, depth = keys.shape[1], keys.shape[2] // n
-        if depth == 1 or keep is not None:
+        if depth == 1 or keep is not None or q.device.type != "cpu" or B * H * n * (n + depth) > MAX_SCORES:
             return pick_backend(q.device)(q, keys, values, mask, keep)
         G = H // Hkv
         qg = q.reshape(B, Hkv, G, n, D)
@@ -49,7 +53,8 @@ class ChainKV:
         pairs = (qg.flatten(2, 3) @ keys[:, :, :n].transpose(-1, -2)).view(B, Hkv, G, n, n)
         chain_k, chain_v = (x[:, :, n:].unflatten(2, (depth - 1, n)) for x in (keys, values))  # [B, Hkv, d-1, n, D]
         chain = torch.einsum("bhgtd,bhktd->bhgtk", qg, chain_k)
-        scores = torch.cat([pairs.float().masked_fill(~causal, float("-inf")), chain.float()], -1) * D ** -0.5
+        acc = torch.promote_types(q.dtype, torch.float32)  # softmax in fp32 at least, as SDPA's kernels do
+        scores = torch.cat([pairs.to(acc).masked_fill(~causal, float("-inf")), chain.to(acc)], -1) * D ** -0.5
         w = scores.softmax(-1).to(q.dtype)
         out = (w[..., :n].flatten(2, 3) @ values[:, :, :n]).view(B, Hkv, G, n, D)
         return (out + torch.einsum("bhgtk,bhktd->bhgtd", w[..., n:], chain_v)).view(B, H, n, D)

@@ -49,7 +49,7 @@ class ChainKV:
             return pick_backend(q.device)(q, keys, values, mask, keep)
         G = H // Hkv
         qg = q.reshape(B, Hkv, G, n, D)
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        causal = mask[0, 0, :, :n]  # unroll_mask's first block
         pairs = (qg.flatten(2, 3) @ keys[:, :, :n].transpose(-1, -2)).view(B, Hkv, G, n, n)
         chain_k, chain_v = (x[:, :, n:].unflatten(2, (depth - 1, n)) for x in (keys, values))  # [B, Hkv, d-1, n, D]
         chain = torch.einsum("bhgtd,bhktd->bhgtk", qg, chain_k)

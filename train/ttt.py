@@ -45,7 +45,7 @@ class ChainKV:
         scores whole, so long rows, and GPUs (whose SDPA kernels never do), keep the backend."""
         B, H, n, D = q.shape
         Hkv, depth = keys.shape[1], keys.shape[2] // n
-        if depth == 1 or keep is not None or q.device.type != "cpu" or B * H * n * (n + depth) > MAX_SCORES:
+        if depth == 1 or keep is not None or q.device.type != "cpu" or B * H * n * (n + depth - 1) > MAX_SCORES:
             return pick_backend(q.device)(q, keys, values, mask, keep)
         G = H // Hkv
         qg = q.reshape(B, Hkv, G, n, D)

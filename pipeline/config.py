@@ -63,6 +63,7 @@ class DistillCfg(Section):
     ckpt_every: int = Field(250, ge=1)
     noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
     ttt_depth: int = Field(2, ge=1)  # eagle: draft depths trained the way they are drafted (1 = teacher forcing)
+    token_candidates: int = Field(8, ge=0)  # eagle: soft CE over the batch goals' top-k ids only (0: all)
     eval_every: int = Field(250, ge=0)  # steps between simulated-tau evaluations on validation rows (0: end only)
     eval_rows: int = Field(16, ge=1)  # validation rows in each evaluation
     deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3

@@ -78,7 +78,8 @@ def build(ctx: StageContext, target: Transformer, train_set: TokenizedSet):
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:
         keep = frequent_token_ids(train_set.input_ids, d.draft_vocab)
     if d.kind == "eagle":
-        return recipes.build_eagle(target, keep), recipes.eagle_loss(target, s.noise, s.ttt_depth), keep
+        loss = recipes.eagle_loss(target, s.noise, s.ttt_depth, candidates=s.token_candidates)
+        return recipes.build_eagle(target, keep), loss, keep
     if d.kind == "medusa":
         return recipes.build_medusa(target, d.medusa_heads, keep), recipes.medusa_loss(target), keep
     if d.kind == "lm":

@@ -73,11 +73,13 @@ def test_unroll_restricted_to_wanted_rows_predicts_the_same_there(target):
         assert bool((some[d - 1][~needed] == 0).all()) and bool(needed.any()) and not bool(needed.all())
 
 
-def test_eagle_loss_equals_the_loss_over_every_row(target):
+@pytest.mark.parametrize("candidates", [0, 3])
+def test_eagle_loss_equals_the_loss_over_every_row(target, candidates):
     """eagle_loss skips rows no loss reads and computes the goals once for all depths; the loss and every
-    gradient equal those of the plain computation over every row."""
+    gradient equal those of the plain computation over every row. With candidates, the token loss of both is the
+    soft CE over the union of every goal's top ids."""
     from train.batches import Batches
-    from train.losses import feature_regression, soft_cross_entropy
+    from train.losses import cross_entropy_to, feature_regression
 
     batch = Batches(self_distilled_rows(target, rows=4, prompt_vocab=96, new_tokens=20, max_seq_len=128), 4,
                     seed=0).batch_at(0)
@@ -88,18 +90,23 @@ def test_eagle_loss_equals_the_loss_over_every_row(target):
         f, mask, ids = t.features, t.mask, batch["input_ids"]
         T = ids.shape[1]
         inputs = f[:, :-1] + noise * (2 * torch.rand_like(f[:, :-1]) - 1)
+        kept = slice(None)
+        if candidates:  # every goal: the target's distribution at a position p >= 1 with x_{p+1} assistant
+            kept = model.head(f[:, 1:T - 1][mask[:, 2:]]).topk(candidates, -1).indices.unique()
+            assert 0 < len(kept) < model.head.weight.shape[0]
         total = 0.0
         for d, pred in enumerate(unroll(model, ids, inputs, depth), start=1):
             n = T - d - 1
             m = mask[:, d + 1:d + 1 + n]
             pred, goal = pred[:, :n][m], f[:, d:d + n][m]
             ones = torch.ones(len(pred), dtype=torch.bool)
-            total = total + decay ** (d - 1) * (feature_regression(pred, goal, ones)
-                                                + 0.1 * soft_cross_entropy(model.head(goal), model.head(pred), ones))
+            probs = model.head(goal).softmax(-1)[:, kept]
+            tok = cross_entropy_to(probs, model.head(pred)[:, kept])
+            total = total + decay ** (d - 1) * (feature_regression(pred, goal, ones) + 0.1 * tok)
         return total
 
     results = []
-    for loss_fn in (plain, lambda m, b: eagle_loss(target, depth=3)(m, b)[0]):
+    for loss_fn in (plain, lambda m, b: eagle_loss(target, depth=3, candidates=candidates)(m, b)[0]):
         torch.manual_seed(0)
         model.zero_grad()
         loss = loss_fn(model, batch)

@@ -47,10 +47,15 @@ def top1(draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> float:
 
 
 def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: float = 0.7,
-               w_feature: float = 1.0, w_token: float = 0.1) -> LossFn:
+               w_feature: float = 1.0, w_token: float = 0.1, candidates: int = 0) -> LossFn:
     """EAGLE: regress the next feature (SmoothL1) and match the target's next-token distribution (soft CE);
     uniform noise on input features trains the drafter to tolerate its own imperfect predictions. With depth > 1
-    the drafter is also trained the way it drafts (train.ttt.unroll), depth d weighted decay**(d-1)."""
+    the drafter is also trained the way it drafts (train.ttt.unroll), depth d weighted decay**(d-1).
+
+    candidates > 0: the soft CE is taken over the batch's candidate tokens only, the union of every goal's top
+    `candidates` ids (and its argmax), with the target's probabilities there. On the default's batches the top-8
+    union is ~1500 of 8192 ids and holds 97-98% of each goal's mass: a step is 17% faster under bf16 (25% in fp32)
+    and the drafter trains as well (docs/cpu.md). top1 is then the argmax among the candidates."""
 
     def loss_fn(model: EagleModel, batch: dict) -> tuple[Tensor, dict]:
         t = target_features(target, batch)
@@ -66,6 +71,11 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
         with torch.no_grad():
             goal_logits = model.head(f[:, 1:T - 1][goals]).float()
             goal_probs, goal_ids = goal_logits.softmax(-1), goal_logits.argmax(-1)
+            vocab = model.head.weight
+            if candidates:
+                top = goal_probs.topk(min(candidates, goal_probs.shape[-1]), -1).indices
+                kept = torch.unique(torch.cat([top.flatten(), goal_ids]))  # sorted
+                vocab, goal_probs, goal_ids = vocab[kept], goal_probs[:, kept], torch.searchsorted(kept, goal_ids)
         p = torch.arange(1, T - 1, device=ids.device).expand_as(goals)[goals]
         total, metrics = 0.0, {}
         for d, pred in enumerate(unroll(model, ids, inputs, depths, wanted), start=1):
@@ -75,7 +85,7 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
             if d > 1:  # this depth's goals: those at p >= d, in the order of its loss rows
                 keep = (p >= d).nonzero().squeeze(1)
                 probs, labels = goal_probs.index_select(0, keep), goal_ids.index_select(0, keep)
-            logits = model.head(pred).float()  # the loss reads fp32; argmax over bf16 is 6x slower on CPU
+            logits = F.linear(pred, vocab).float()  # the loss reads fp32; argmax over bf16 is 6x slower on CPU
             reg = feature_regression(pred, goal, torch.ones(len(pred), dtype=torch.bool, device=pred.device))
             tok = cross_entropy_to(probs, logits)
             total = total + decay ** (d - 1) * (w_feature * reg + w_token * tok)

@@ -52,7 +52,7 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
     uniform noise on input features trains the drafter to tolerate its own imperfect predictions. With depth > 1
     the drafter is also trained the way it drafts (train.ttt.unroll), depth d weighted decay**(d-1).
 
-    candidates > 0: the soft CE is taken over the batch's candidate tokens only, the union of every goal's top
+    candidates > 0: the soft CE is taken over the (micro-)batch's candidate tokens only, the union of every goal's top
     `candidates` ids (and its argmax), with the target's probabilities there. On the default's batches the top-8
     union is ~1500 of 8192 ids and holds 97-98% of each goal's mass: a step is 17% faster under bf16 (25% in fp32)
     and the drafter trains as well (docs/cpu.md). top1 is then the argmax among the candidates."""

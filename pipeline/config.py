@@ -103,6 +103,8 @@ class ValidateCfg(Section):
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(128, ge=1)
     temperatures: list[float] = [0.0]
+    # runs of each method per prompt, the methods taking turns; the fastest counts (the least disturbed by the host)
+    repeats: int = Field(1, ge=1)
     gate: GateCfg = GateCfg()
 
 

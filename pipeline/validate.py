@@ -60,8 +60,9 @@ class Timed:
 
 
 def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params: SamplingParams,
-                 seed: int) -> dict[str, Timed]:
-    """Every method over all prompts, the methods back to back on each prompt (runtime.bench.interleaved)."""
+                 seed: int, repeats: int = 1) -> dict[str, Timed]:
+    """Every method over all prompts, the methods back to back on each prompt, the fastest of `repeats` runs of
+    each (runtime.bench.interleaved)."""
     from runtime.bench import interleaved
 
     outputs = {name: [] for name in methods}
@@ -69,7 +70,7 @@ def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params:
     forwards = dict.fromkeys(methods, 0)
     by_depth = {name: [] for name in methods}
     runs = {name: lambda ids, gen, run=run: run(ids, params, gen) for name, run in methods.items()}
-    for name, elapsed, tokens, metrics in interleaved(runs, prompts, seed):
+    for name, elapsed, tokens, metrics in interleaved(runs, prompts, seed, repeats):
         seconds[name] += elapsed
         outputs[name].append(tokens)
         if metrics is not None:
@@ -143,7 +144,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
-    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed) for t in temperatures}
+    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, v.repeats) for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
     full_cfg = replace(engine_cfg, budget=configured, adaptive=False, lookup=lookup, max_tree=0)
@@ -186,8 +187,8 @@ def write_report_md(path: Path, report: dict) -> None:
     extra_head = "".join(f" {label} tok/s | speedup vs {label} |" for _, label in peers)
     full = report["configured_tree"]
     lines = [f"# Validation of a {report['drafter_kind']} drafter", "",
-             f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, {report['dtype']} on "
-             f"{report['device']}; draft budget {budget_label(report['budget'])} (as served)", "",
+             f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, the fastest of "
+             f"{report['repeats']} runs of each, {report['dtype']} on {report['device']}; draft budget {budget_label(report['budget'])} (as served)", "",
              "| T | tau | spec tok/s | our AR tok/s | HF tok/s | speedup vs our AR | speedup vs HF |" + extra_head,
              "|---|---|---|---|---|---|---|" + "---|---|" * len(peers)]
     for r in report["temperatures"]:
@@ -260,8 +261,8 @@ def run_validate(ctx: StageContext) -> StageResult:
     reasons = gate_reasons(metrics, v.gate)
     report = {"metrics": metrics, "gate": {"passed": not reasons, "reasons": reasons, **v.gate.model_dump()},
               "temperatures": rows, "drafter_kind": measured["kind"], "prompts": len(prompts),
-              "max_new_tokens": v.max_new_tokens, "dtype": measured["dtype"], "device": measured["device"],
-              "budget": measured["budget"], "configured_tree": configured,
+              "max_new_tokens": v.max_new_tokens, "repeats": v.repeats, "dtype": measured["dtype"],
+              "device": measured["device"], "budget": measured["budget"], "configured_tree": configured,
               "validation_digest": digest_json({"prompt_ids": prompts, "temperatures": temperatures,
                                                 "max_new_tokens": v.max_new_tokens})}
     write_json_atomic(ctx.out / REPORT_JSON, report)

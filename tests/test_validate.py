@@ -192,6 +192,31 @@ def test_methods_are_timed_back_to_back_on_each_prompt():
     assert timed["spec"].tokens[0][0] == timed["hf"].tokens[0][0]  # each method's own generator, same seed
 
 
+def test_repeats_keep_each_methods_fastest_run_from_the_same_generator_state(monkeypatch):
+    """With repeats the methods take turns on a prompt; each repeat starts from the same generator state (the same
+    tokens, sampled or not) and the fastest counts."""
+    import runtime.bench
+
+    clock, durations, calls = [0.0], {"spec": [5.0, 1.0, 2.0, 3.0], "hf": [4.0, 6.0, 1.5, 0.5]}, []
+    monkeypatch.setattr(runtime.bench.time, "perf_counter", lambda: clock[0])
+
+    def method(name):
+        def run(ids, params, gen):
+            calls.append((ids[0], name))
+            clock[0] += durations[name].pop(0)
+            return [int(torch.randint(1000, (1,), generator=gen)) for _ in range(3)], None
+        return run
+
+    once = time_methods({"spec": method("spec"), "hf": method("hf")}, [[7], [8]], None, seed=5)
+    durations.update(spec=[5.0, 1.0, 2.0, 3.0], hf=[4.0, 6.0, 1.5, 0.5])
+    calls.clear()
+    timed = time_methods({"spec": method("spec"), "hf": method("hf")}, [[7], [8]], None, seed=5, repeats=2)
+    assert calls == [(7, "spec"), (7, "hf"), (7, "spec"), (7, "hf"), (8, "spec"), (8, "hf"), (8, "spec"), (8, "hf")]
+    assert timed["spec"].seconds == 1.0 + 2.0 and timed["hf"].seconds == 4.0 + 0.5
+    assert timed["spec"].tokens == once["spec"].tokens and timed["hf"].tokens == once["hf"].tokens
+    assert timed["spec"].tokens[0] != timed["spec"].tokens[1]  # the generator still moves on from prompt to prompt
+
+
 def test_validate_gate_failure_names_tau(exported, tiny_llama_dir):
     cfg = _config(validate={"num_prompts": 1, "max_new_tokens": 8, "gate": {"min_tau": 100}})
     rec = run_stage_on(exported, "validate", cfg, tiny_llama_dir, run_validate)

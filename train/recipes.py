@@ -113,12 +113,15 @@ def simulated_chain(model: EagleModel, target: Transformer, batches: list[dict],
         greedy = torch.cat([target.output(row).argmax(-1) for row in f.split(1)])
         alive = mask[:, 2:].clone()
         starts += int(alive.sum())
-        for d, pred in enumerate(unroll(model, ids, f[:, :-1], min(depth, ids.shape[1] - 2)), start=1):
+        depths = min(depth, ids.shape[1] - 2)
+        chains = [F.pad(mask[:, 2:], (0, 1))] * depths  # the only rows a chain runs on at any depth: its start's
+        for d, pred in enumerate(unroll(model, ids, f[:, :-1], depths, chains), start=1):
             n = min(alive.shape[1], ids.shape[1] - d - 1)
             alive = alive[:, :n]
-            draft = model.head(pred[:, :n]).argmax(-1)
+            draft = torch.full_like(alive, -1, dtype=torch.long)  # the head only where the chain is still alive
+            draft[alive] = model.head(pred[:, :n][alive]).argmax(-1)
             if model.head.reduced:
-                draft = model.head.keep_ids[draft]
+                draft[alive] = model.head.keep_ids[draft[alive]]
             ok = alive & (draft == greedy[:, d:d + n]) & mask[:, d + 1:d + 1 + n]
             if d > 1:
                 ok &= ids[:, d:d + n] == greedy[:, d - 1:d - 1 + n]

@@ -144,7 +144,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
-    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, v.repeats) for t in temperatures}
+    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, v.repeats)
+             for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
     full_cfg = replace(engine_cfg, budget=configured, adaptive=False, lookup=lookup, max_tree=0)
@@ -187,8 +188,10 @@ def write_report_md(path: Path, report: dict) -> None:
     extra_head = "".join(f" {label} tok/s | speedup vs {label} |" for _, label in peers)
     full = report["configured_tree"]
     lines = [f"# Validation of a {report['drafter_kind']} drafter", "",
-             f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, the fastest of "
-             f"{report['repeats']} runs of each, {report['dtype']} on {report['device']}; draft budget {budget_label(report['budget'])} (as served)", "",
+             f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens"
+             + (f" (the fastest of {report['repeats']} runs each)" if report["repeats"] > 1 else "")
+             + f", {report['dtype']} on {report['device']}; draft budget {budget_label(report['budget'])} (as served)",
+             "",
              "| T | tau | spec tok/s | our AR tok/s | HF tok/s | speedup vs our AR | speedup vs HF |" + extra_head,
              "|---|---|---|---|---|---|---|" + "---|---|" * len(peers)]
     for r in report["temperatures"]:

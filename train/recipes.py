@@ -118,10 +118,9 @@ def simulated_chain(model: EagleModel, target: Transformer, batches: list[dict],
         for d, pred in enumerate(unroll(model, ids, f[:, :-1], depths, chains), start=1):
             n = min(alive.shape[1], ids.shape[1] - d - 1)
             alive = alive[:, :n]
-            draft = torch.full_like(alive, -1, dtype=torch.long)  # the head only where the chain is still alive
-            draft[alive] = model.head(pred[:, :n][alive]).argmax(-1)
-            if model.head.reduced:
-                draft[alive] = model.head.keep_ids[draft[alive]]
+            chosen = model.head(pred[:, :n][alive]).argmax(-1)  # the head only where the chain is still alive
+            draft = torch.full_like(alive, -1, dtype=torch.long)
+            draft[alive] = model.head.keep_ids[chosen] if model.head.reduced else chosen
             ok = alive & (draft == greedy[:, d:d + n]) & mask[:, d + 1:d + 1 + n]
             if d > 1:
                 ok &= ids[:, d:d + n] == greedy[:, d - 1:d - 1 + n]

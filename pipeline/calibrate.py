@@ -21,10 +21,11 @@ from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult
 from pipeline.specattn_calibration import calibrate_specattn
 from pipeline.stages import StageContext
-from runtime.drafters import drafter_module as build_drafter_model
+from runtime.drafters import (ATTENDING, DRAFT_VOCAB, WEIGHTED, drafter_module as build_drafter_model,
+                              runtime_drafter)
 from runtime.bench import generation_stop_ids
 from runtime.bundle import KV_QUANT, kv_engine_fields
-from runtime.drafters import runtime_drafter
+from runtime.drafter import Drafter
 from runtime.model import Transformer
 from runtime.precision import float_dtype
 from train.data import TokenizedSet, prompts_from
@@ -52,6 +53,11 @@ SETTINGS = CalibrateSettings()
 # ---------------------------------------------------------------- drafter weights
 
 
+def served_drafter(kind: str, model: torch.nn.Module, target: Transformer, tensors: dict) -> Drafter:
+    """The runtime drafter around `model` as a bundle's reader builds it: an lm's reduced draft vocabulary too."""
+    return runtime_drafter(kind, model, target, keep_ids=tensors.get(DRAFT_VOCAB))
+
+
 def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -69,7 +75,7 @@ def calibrate_quant(ctx: StageContext, target: Transformer, config: dict, tensor
 
     def tau_of(weights: dict[str, torch.Tensor]) -> float:
         model = build_drafter_model(config, target, weights)
-        return probe.measure(target, runtime_drafter(kind, model, target))["tau"]
+        return probe.measure(target, served_drafter(kind, model, target, weights))["tau"]
 
     fp32_tau = tau_of(tensors)
     candidates, packed = [], {}
@@ -118,7 +124,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     distill = ctx.input("distill")
     config = json.loads((distill / "drafter_config.json").read_text())
     kind = config["kind"]
-    if kind not in ("eagle", "medusa"):
+    if kind not in WEIGHTED:
         (ctx.out / "quant.json").write_text(json.dumps({"chosen": NOT_APPLICABLE, "candidates": []}) + "\n")
         return StageResult(outputs={"quant": "quant.json"}, metrics={},
                            message=f"{kind} drafter has no weights: quantisation and layer map not applicable")
@@ -146,7 +152,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     timed = target if float_dtype(precision, target.device) == target.dtype else load_target(ctx, precision=precision)
     timed_model = model if timed is target else build_drafter_model(config, timed, tensors)
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
-        ctx.out, target, runtime_drafter(kind, model, target), rows, schemes=c.kv_schemes, recent=c.kv_recent,
+        ctx.out, target, served_drafter(kind, model, target, tensors), rows, schemes=c.kv_schemes, recent=c.kv_recent,
         tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=probe, dense_tau=quant["fp32_tau"],
         timed=timed, decode_context=min(c.tokens, timed.max_seq_len - 1),  # rows are cut to c.tokens: may be larger
         max_slowdown=c.kv_max_slowdown)
@@ -155,7 +161,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     message += kv_message + "; "
     gate = ctx.cfg.validate.gate
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
-        ctx.out, timed, lambda: runtime_drafter(kind, timed_model, timed), budget_prompts(ctx, val, s),
+        ctx.out, timed, lambda: served_drafter(kind, timed_model, timed, tensors), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens or ctx.cfg.validate.max_new_tokens,
         kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
         generation_stop_ids(ctx.target_dir), min_tau=gate.min_tau, min_speedup=gate.min_speedup,
@@ -163,13 +169,13 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     outputs |= budget_outputs
     metrics |= budget_metrics
     message += budget_message + "; "
-    if kind == "eagle":
+    if kind in ATTENDING:
         spec_outputs, spec_metrics, spec_message = calibrate_specattn(
-            ctx.out, target, model, runtime_drafter(kind, model, target), rows,
+            ctx.out, target, model, served_drafter(kind, model, target, tensors), rows,
             dense_first=c.dense_first, top_p=c.top_p, ppl_tolerance=c.ppl_tolerance, probe=probe)
         outputs |= spec_outputs
         metrics |= spec_metrics
         message += spec_message
     else:
-        message += f"SpecAttn not applicable (calibrate maps EAGLE's attention; this is a {kind} drafter)"
+        message += f"SpecAttn not applicable (a {kind} drafter has no attention to select keys by)"
     return StageResult(outputs=outputs, metrics=metrics, message=message)

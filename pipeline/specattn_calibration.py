@@ -1,11 +1,12 @@
 """SpecAttn calibration: fit the layer map, then measure sparse verification for each draft top-p.
 
-The layer map compares, on calibration rows, every target layer's attention with the EAGLE block's
-(export.layer_map). Each top_p is then measured for real, not through a proxy: the KV reads saved and the target
-perplexity change come from teacher-forced forwards over the same rows in which every query reads only the keys
-that the drafter's attention selects (runtime.attention.kept_keys, as the engine does at each verify), and tau
-from greedy speculative generation with the engine verifying sparsely. The largest saving whose perplexity
-increase stays within calibrate.ppl_tolerance becomes specattn.json, which export carries into the bundle.
+The layer map compares, on calibration rows, every target layer's attention with each draft layer's: the EAGLE
+block's, or each layer of an `lm` drafter (export.layer_map). Each top_p is then measured for real, not through a
+proxy: the KV reads saved and the target perplexity change come from teacher-forced forwards over the same rows in
+which every query reads only the keys that the drafter's attention selects (runtime.attention.kept_keys, as the
+engine does at each verify), and tau from greedy speculative generation with the engine verifying sparsely. The
+largest saving whose perplexity increase stays within calibrate.ppl_tolerance becomes specattn.json, which export
+carries into the bundle.
 
 The same teacher-forced sweep runs once more with every target layer choosing its keys by its own attention: what
 a drafter that predicted each layer's attention perfectly would select. No drafter can beat that ceiling, so the
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from export.layer_map import LayerMap, kl_similarity, plot_layer_map
 from pipeline.distill import TauProbe
@@ -36,21 +38,38 @@ DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
 class CalibrationRow:
     ids: torch.Tensor  # [T] token ids
     target_attention: torch.Tensor  # [Lt, H, T-1, T-1] queries 1.., keys x_1.. (what the draft sees), renormalised
-    draft_attention: torch.Tensor  # [1, H, T-1, T-1] the EAGLE block: pair j (query j+1) over pairs 0..j
+    # [Ld, H, T, T]: per draft layer, query t's weights over the target's keys 0..t, as the drafter sees them
+    # when it proposes x_{t+1} (the EAGLE pair at t, the lm's token x_t)
+    draft_attention: torch.Tensor
     dense_nll: torch.Tensor  # [T-1] -log p(x_{t+1} | x_0..x_t) of the dense target
+
+    @property
+    def draft_rows(self) -> torch.Tensor:
+        """[Ld, H, T-1, T-1]: the draft attention in target_attention's frame, to compare the two."""
+        return renormalised(self.draft_attention[:, :, 1:, 1:])
+
+
+def renormalised(att: torch.Tensor) -> torch.Tensor:
+    return att / att.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
 @torch.inference_mode()
-def calibration_row(target: Transformer, eagle: EagleModel, ids: torch.Tensor) -> CalibrationRow:
-    """Draft pair j = (x_{j+1}, f_j) sits at position j+1 and attends pairs 0..j, i.e. tokens x_1..x_{j+1}; the
-    target's query at position j+1 also sees x_0, which the draft never does: it is dropped from the target rows
-    compared in the layer map, which are renormalised over x_1..x_{j+1}."""
+def calibration_row(target: Transformer, model: nn.Module, ids: torch.Tensor) -> CalibrationRow:
+    """`model`: an EagleModel or an `lm` drafter's Transformer. EAGLE's pair j = (x_{j+1}, f_j) sits at position
+    j+1 and attends pairs 0..j, i.e. tokens x_1..x_{j+1}; the target's query at position j+1 also sees x_0, which
+    the EAGLE draft never does: it is dropped from the rows compared in the layer map, which are renormalised over
+    x_1..x_{j+1}."""
     T = ids.numel()
     layers = tuple(range(target.config.n_layers))
     out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=Taps(attention_layers=layers))
-    att_t = torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])
-    att_t = att_t / att_t.sum(-1, keepdim=True).clamp_min(1e-12)
-    _, att_d = eagle.causal_step(ids[None, 1:], out.hidden[:, :-1], eagle.new_cache(1, T - 1), want_weights=True)
+    att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers]))
+    if isinstance(model, EagleModel):
+        _, att = model.causal_step(ids[None, 1:], out.hidden[:, :-1], model.new_cache(1, T - 1), want_weights=True)
+        att_d = F.pad(on_target_keys(att), (0, 0, 1, 0))  # query 0 has no pair
+    else:
+        taps = Taps(attention_layers=tuple(range(model.config.n_layers)))
+        o = model.run(ids[None], model.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
+        att_d = torch.stack([o.attention[i][0] for i in taps.attention_layers])
     return CalibrationRow(ids, att_t.float(), att_d.float(), next_token_nll(out.logits, ids))
 
 
@@ -63,15 +82,15 @@ def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.T
     row; the monotone map on it. At least one target layer stays mapped so that a shallow target gets measured."""
     K = max(r.ids.numel() - 1 for r in rows)  # rows differ in length: pad keys (weight 0 adds 0 to the KL)
     att_t = torch.cat([F.pad(r.target_attention.mean(1), (0, K - r.ids.numel() + 1)) for r in rows], dim=1)
-    att_d = torch.cat([F.pad(r.draft_attention.mean(1), (0, K - r.ids.numel() + 1)) for r in rows], dim=1)
+    att_d = torch.cat([F.pad(r.draft_rows.mean(1), (0, K - r.ids.numel() + 1)) for r in rows], dim=1)
     S = kl_similarity(att_t, att_d)
     return S, LayerMap.fit(S, dense_first=min(dense_first, S.shape[1] - 1))
 
 
 def draft_selector(row: CalibrationRow) -> torch.Tensor:
-    """[1, H, T, T]: query t's keys as the drafter's pair at position t (the one that would propose x_{t+1}) ranks
-    them, as the engine's verify does for its root; query 0 has no pair."""
-    return F.pad(on_target_keys(row.draft_attention), (0, 0, 1, 0))
+    """[Ld, H, T, T]: query t's keys as the drafter's query that would propose x_{t+1} ranks them, as the engine's
+    verify does for its root."""
+    return row.draft_attention
 
 
 def target_selector(row: CalibrationRow) -> torch.Tensor:
@@ -161,12 +180,12 @@ def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, 
     return path
 
 
-def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafter: Drafter, ids: list[torch.Tensor],
+def calibrate_specattn(out: Path, target: Transformer, model: nn.Module, drafter: Drafter, ids: list[torch.Tensor],
                        *, dense_first: int, top_p: list[float], ppl_tolerance: float,
                        probe: TauProbe) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
     when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message)."""
-    rows = [calibration_row(target, eagle, r) for r in ids]
+    rows = [calibration_row(target, model, r) for r in ids]
     S, layer_map = fit_layer_map(rows, dense_first)
     settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
     dense_ppl = perplexity([r.dense_nll for r in rows])
@@ -179,7 +198,7 @@ def calibrate_specattn(out: Path, target: Transformer, eagle: EagleModel, drafte
     ceiling_saved = ceiling_chosen["kv_saved"] if ceiling_chosen else 0.0
     if chosen is not None:
         settings = SpecAttnConfig(layer_map.mapping, chosen["top_p"], layer_map.dense_first)
-    spread = {"draft_attention_keys": effective_keys([r.draft_attention for r in rows]),
+    spread = {"draft_attention_keys": effective_keys([r.draft_rows for r in rows]),
               "target_attention_keys": effective_keys([r.target_attention for r in rows])}
     report = {**spread, "dense_perplexity": dense_ppl, "dense_tau": dense_tau, "ppl_tolerance": ppl_tolerance,
               "sink": settings.sink, "recent": settings.recent, "rows": len(rows),

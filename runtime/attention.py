@@ -219,16 +219,22 @@ def kept_keys(draft_attention: Tensor, prefix_len: Tensor, n_keys: int, n_kv_hea
     tokens being verified). Of the other prefix keys, per kv head, the minimal set holding top_p of the draft
     attention they receive (its query heads averaged; ties kept): the mass sinks absorb says nothing about which
     other keys matter, so it does not count toward p. A key the draft gives no weight is never selected.
+    Draft heads that do not group onto the target's kv heads (another model's, as an `lm` drafter's may be) say
+    nothing about any one of them: every kv head then keeps the keys of all draft heads averaged.
     """
     Ld, H, R, K = draft_attention.shape
-    if H % n_kv_heads or prefix_len.shape != (R,) or int(prefix_len.max()) > min(K, n_keys):
-        raise ValueError(f"draft attention {tuple(draft_attention.shape)} does not fit {n_kv_heads} kv heads and "
-                         f"prefix lengths {tuple(prefix_len.shape)} <= {min(K, n_keys)}")
+    if prefix_len.shape != (R,) or int(prefix_len.max()) > min(K, n_keys):
+        raise ValueError(f"draft attention {tuple(draft_attention.shape)} does not fit prefix lengths "
+                         f"{tuple(prefix_len.shape)} <= {min(K, n_keys)}")
     if top_p >= 1.0:  # every key by definition: no threshold search, no rounding of the mass near 1
         return torch.ones(Ld, n_kv_heads, R, n_keys, dtype=torch.bool, device=draft_attention.device)
     key = torch.arange(n_keys, device=draft_attention.device)
     always = (key < sink) | (key >= prefix_len[:, None] - recent)  # [R, n_keys]
-    w = draft_attention.float().view(Ld, n_kv_heads, H // n_kv_heads, R, K).mean(2)
+    w = draft_attention.float()
+    if H % n_kv_heads:
+        w = w.mean(1, keepdim=True).expand(Ld, n_kv_heads, R, K)
+    else:
+        w = w.view(Ld, n_kv_heads, H // n_kv_heads, R, K).mean(2)
     w = F.pad(w[..., :n_keys], (0, max(0, n_keys - K))) * ~always
     w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return topp_mask(w, top_p)[0] & (w > 0) | always  # all-zero rows: the threshold is 0, yet nothing is needed

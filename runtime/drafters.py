@@ -21,6 +21,7 @@ from runtime.weight_quant import dequantize_state_dict
 
 KINDS = ("ngram", "eagle", "medusa", "lm")
 WEIGHTED = ("eagle", "medusa", "lm")
+ATTENDING = ("eagle", "lm")  # kinds whose attention can select the target's keys (SpecAttn, draft_attention)
 DRAFT_VOCAB = "draft_vocab"  # tensor name of the reduced draft vocabulary (target token ids), if any
 WEIGHT_QUANT = "weight_quant"  # drafter config key: the scheme of the bundle's packed weights (absent: plain)
 TREE_ROOM = 64  # drafter positions beyond the target's length by default: room for the draft tree's nodes

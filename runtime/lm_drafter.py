@@ -4,6 +4,9 @@ It reads tokens only (no target features). Its cache holds the committed sequenc
 root; propose() first runs the tokens committed since (ending with the root), then grows an EAGLE-2 dynamic
 tree whose expanded nodes keep their KV in slots after the prefix. commit() keeps, by compacting in place, the
 KV of the committed tokens the tree had already expanded, so only the rest is recomputed next time.
+
+Its cache slots are the target's key positions, so for SpecAttn every layer's attention of the root and the
+expanded nodes over the committed prefix is already in the target's coordinates (draft_attention).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from torch import Tensor
 from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
-from runtime.model import ModelConfig, RopeScaling, Transformer, pack_for_cpu
+from runtime.model import ModelConfig, RopeScaling, Taps, Transformer, pack_for_cpu
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
@@ -45,10 +48,12 @@ class LMDrafter(Drafter):
         self.cache = model.new_cache(1, max_len)
         self.pending: list[Tensor] = []  # committed tokens not yet in the cache; the last one is the root
         self.tree: tuple[Candidates, TreeSlots] | None = None  # the last proposal's nodes and their KV slots
+        self.attention: Tensor | None = None  # [layers, heads, prefix] of the last propose, see draft_attention
+        self.taps = Taps(attention_layers=tuple(range(model.config.n_layers)))
 
     def reset(self, tokens: Tensor, features: Tensor | None = None) -> None:
         self.cache.reset()
-        self.pending, self.tree = [tokens.long()], None
+        self.pending, self.tree, self.attention = [tokens.long()], None, None
 
     def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
         """Walk the committed tokens (but the last, which becomes the root) down the expanded tree nodes: their KV
@@ -65,7 +70,7 @@ class LMDrafter(Drafter):
                 keep.append(slots.slot[node] - slots.prefix)
         self.cache.compact(torch.tensor(keep, dtype=torch.long))
         self.pending.append(tokens[len(keep):].long())
-        self.tree = None
+        self.tree, self.attention = None, None  # its prefix is the one before this commit
 
     @torch.inference_mode()
     def propose(self, budget: DraftBudget, params: SamplingParams,
@@ -74,17 +79,30 @@ class LMDrafter(Drafter):
         toks = torch.cat(self.pending).to(lm.device)
         n = int(cache.lengths[0])
         positions = n + torch.arange(toks.numel(), device=lm.device)
-        root_hidden = lm.run(toks[None], cache, positions[None], no_logits=True).hidden[0, -1]
+        prefix = n + toks.numel() - 1  # the root's position: the target verifies it after keys 0..prefix-1
+        taps = self.taps if self.track_attention else Taps()
+        out = lm.run(toks[None], cache, positions[None], taps=taps, no_logits=True)
         cache.advance(toks.numel())
         self.pending = []
-        slots = TreeSlots(prefix_len=int(cache.lengths[0]), root_position=int(positions[-1]), device=lm.device)
+        slots = TreeSlots(prefix_len=int(cache.lengths[0]), root_position=prefix, device=lm.device)
+        # every layer's root row and, below, expanded nodes' rows over the prefix keys (slot s = target key s)
+        weights = torch.stack([out.attention[i][0, :, -1, :prefix] for i in taps.attention_layers]) \
+            if taps.attention_layers else None
 
         def expand(c: Candidates, nodes: list[int]) -> Tensor:
             self.tree = (c, slots)
             tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=lm.device)
             s, pos, mask = slots.place(c, nodes)
-            hidden = lm.run_placed(tokens, cache, pos, s, mask.shape[-1], mask, no_logits=True).hidden[0]
-            return tree_probs(head(hidden), params)
+            o = lm.run_placed(tokens, cache, pos, s, mask.shape[-1], mask, taps=taps, no_logits=True)
+            if weights is not None:
+                weights.add_(torch.stack([o.attention[i][0, :, :, :prefix].sum(1) for i in taps.attention_layers]))
+            return tree_probs(head(o.hidden[0]), params)
 
-        root = tree_probs(head(root_hidden), params)
-        return grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=head)
+        root = tree_probs(head(out.hidden[0, -1]), params)
+        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=head)
+        self.attention = weights
+        return tree
+
+    def draft_attention(self) -> Tensor | None:
+        """Per layer and head, the sums of the root's and the expanded nodes' attention rows over the prefix."""
+        return self.attention

@@ -18,7 +18,7 @@ from pipeline.specattn_calibration import calibration_row, choose_top_p, effecti
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
-from runtime.drafters import DRAFT_VOCAB
+from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_tensors
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.precision import float_dtype
@@ -93,6 +93,11 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
         data.save(prep / f"{split}.safetensors")
     if kind == "ngram":
         (distill / "drafter_config.json").write_text(json.dumps({"kind": "ngram", "max_ngram": 4}))
+    elif kind == "lm":  # every target layer: a drafter that attends exactly as the target does
+        target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+        lm = recipes.build_lm(target, N_LAYERS, "target")
+        save_file(drafter_tensors(lm, tensors[DRAFT_VOCAB]), str(distill / "drafter.safetensors"))
+        (distill / "drafter_config.json").write_text(json.dumps(drafter_config("lm", lm, 64)))
     else:  # saved the way pipeline/distill.py saves it
         tensors = {k: v.clone() for k, v in tensors.items()}
         if outlier:
@@ -254,6 +259,24 @@ def test_choose_scheme_prefers_smallest_within_tolerance():
     assert choose_scheme(cands, 0.1) == "int4-g64"
     assert choose_scheme(cands, 0.01) == "int8"
     assert choose_scheme(cands[1:], 0.0) == "fp32"
+
+
+def test_an_lm_drafter_is_calibrated_and_one_that_attends_as_the_target_selects_as_the_ceiling(
+        tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled, kind="lm")
+    result = run_calibrate(ctx, FAST)
+    quant = json.loads((ctx.out / "quant.json").read_text())
+    assert quant["fp32_tau"] > 2.0 and [c["scheme"] for c in quant["candidates"] if "tau" in c] == ["int8", "int4-g32"]
+    assert json.loads((ctx.out / "kv_quant.json").read_text())["dense_tau"] > 2.0
+    assert json.loads((ctx.out / "draft_budget.json").read_text())["chosen"]["depth"] >= 1
+    layer_map = LayerMap.from_json((ctx.out / "layer_map.json").read_text())
+    assert layer_map.mapping == (DENSE, DENSE, 2, 3)  # each target layer to its own copy: KL 0
+    report = json.loads((ctx.out / "sparsity.json").read_text())
+    for drafted, own in zip(report["sweep"], report["ceiling_sweep"]):
+        assert drafted["top_p"] == own["top_p"]
+        assert drafted["kv_saved"] == pytest.approx(own["kv_saved"], abs=1e-3)
+        assert drafted["ppl_change"] == pytest.approx(own["ppl_change"], abs=0.01)  # near-ties round apart
+    assert report["sweep"][0]["kv_saved"] > 0 and "SpecAttn" in result.message
 
 
 def test_ngram_is_not_applicable(tmp_path, target_dir, distilled):

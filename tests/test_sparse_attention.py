@@ -1,5 +1,5 @@
 """Attention backends and SpecAttn sparse verification: registry, exactness of the sparse path, minimal top-p
-key sets, the EAGLE draft attention's alignment, and the engine verifying sparsely."""
+key sets, the EAGLE and lm draft attention's alignment, and the engine verifying sparsely."""
 import pytest
 import torch
 
@@ -7,7 +7,8 @@ from runtime.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig
 from runtime.drafter import DraftBudget, Drafter
 from runtime.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
+from runtime.lm_drafter import LMDrafter
+from runtime.model import Taps, Transformer
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 from train import recipes
@@ -97,6 +98,10 @@ def test_kept_keys_are_the_minimal_set_reaching_p_plus_the_always_kept(p):
     # per-row prefixes (teacher forcing): keys at or beyond a row's prefix are the row's own tokens, always kept
     rows = kept_keys(att, torch.tensor([10, 25, 40]), P, Hkv, p, 0, 0)
     assert rows[:, :, 0, 10:].all() and rows[:, :, 1, 25:].all() and not rows[:, :, 2].all()
+    # draft heads that do not group onto the kv heads (3 onto 2): each kv head keeps what all of them averaged rank
+    odd = kept_keys(att[:, :3], torch.full((R,), P), P + n_new, Hkv, p, sink, recent)
+    averaged = kept_keys(att[:, :3].mean(1, keepdim=True), torch.full((R,), P), P + n_new, 1, p, sink, recent)
+    assert torch.equal(odd, averaged.expand(Ld, Hkv, R, P + n_new))
 
 
 def tree(*parents):
@@ -138,6 +143,47 @@ def test_eagle_draft_attention_is_aligned_to_target_keys(target, eagle):
     torch.testing.assert_close(att[0, :, 1:], w[0, :, -1, :19])
     drafter.commit(torch.tensor([9]), hidden[0, :1])
     assert drafter.draft_attention() is None
+
+
+def test_lm_draft_attention_is_every_layers_rows_over_the_prefix(target):
+    lm = recipes.build_lm(target, 2, "target").eval()
+    prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5))
+    tokens = torch.cat([prompt, torch.tensor([9])])  # the root, 9, sits at position 20 after keys 0..19
+    drafter = LMDrafter(lm, 128)
+    drafter.reset(tokens)
+    drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())
+    assert drafter.draft_attention() is None  # gathered only for SpecAttn, which turns track_attention on
+    drafter.track_attention = True
+    drafter.reset(tokens)
+    drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())  # depth 1: the root query alone
+    att = drafter.draft_attention()
+    assert att.shape == (2, 4, 20)
+    out = lm.run(tokens[None], lm.new_cache(1, 21), torch.arange(21)[None], taps=Taps(attention_layers=(0, 1)))
+    torch.testing.assert_close(att, torch.stack([out.attention[i][0, :, -1, :20] for i in (0, 1)]))
+    drafter.reset(tokens)
+    drafter.propose(DraftBudget(depth=3, width=2, nodes=4), SamplingParams())  # expanded nodes add their rows
+    deeper = drafter.draft_attention()
+    assert (deeper >= att - 1e-6).all() and (deeper.sum(-1) > att.sum(-1) + 0.5).all()
+    drafter.commit(torch.tensor([3, 4]))
+    assert drafter.draft_attention() is None
+
+
+def test_engine_sparse_verification_with_an_lm_drafter(target):
+    """An lm drafter made of every target layer attends exactly as the target does: mapped layer to layer, its
+    attention selects keys for verification."""
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    lm = recipes.build_lm(target, N_LAYERS, "target").eval()
+    budget = DraftBudget(depth=3, width=2, nodes=5)
+
+    def generate(sparse):
+        engine = Engine(target, LMDrafter(lm, 128), EngineConfig(max_seq_len=128, budget=budget, sparse=sparse))
+        return engine.generate(prompt, 16, SamplingParams())
+
+    dense = generate(None)
+    full = generate(SpecAttnConfig((-1, -1, 2, 3), top_p=1.0))
+    assert full.tokens == dense.tokens and full.metrics.kv_saved == 0.0
+    sparse = generate(SpecAttnConfig((-1, -1, 2, 3), top_p=0.5, sink=1, recent=2))
+    assert 0 < sparse.metrics.kv_saved < 0.5  # two of four layers stay dense
 
 
 def test_engine_sparse_verification(target, eagle):

@@ -21,11 +21,9 @@ from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult
 from pipeline.specattn_calibration import calibrate_specattn
 from pipeline.stages import StageContext
-from runtime.drafters import (ATTENDING, DRAFT_VOCAB, WEIGHTED, drafter_module as build_drafter_model,
-                              runtime_drafter)
+from runtime.drafters import ATTENDING, WEIGHTED, drafter_module as build_drafter_model, served_drafter
 from runtime.bench import generation_stop_ids
 from runtime.bundle import KV_QUANT, kv_engine_fields
-from runtime.drafter import Drafter
 from runtime.model import Transformer
 from runtime.precision import float_dtype
 from train.data import TokenizedSet, prompts_from
@@ -51,11 +49,6 @@ SETTINGS = CalibrateSettings()
 
 
 # ---------------------------------------------------------------- drafter weights
-
-
-def served_drafter(kind: str, model: torch.nn.Module, target: Transformer, tensors: dict) -> Drafter:
-    """The runtime drafter around `model` as a bundle's reader builds it: an lm's reduced draft vocabulary too."""
-    return runtime_drafter(kind, model, target, keep_ids=tensors.get(DRAFT_VOCAB))
 
 
 def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -12,7 +12,7 @@ from pipeline.runstore import StageResult
 from runtime.draft_head import frequent_token_ids
 from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
-from runtime.drafters import drafter_config, drafter_module, drafter_tensors, runtime_drafter
+from runtime.drafters import drafter_config, drafter_module, drafter_tensors, served_drafter
 from runtime.engine import Engine, EngineConfig
 from runtime.precision import float_dtype, use_bf16
 from runtime.model import Transformer
@@ -132,7 +132,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     config = drafter_config(d.kind, model, 0 if keep is None else keep.numel())
     (ctx.out / "drafter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     # measured exactly as the bundle reader will build it: from the saved config and tensors
-    drafter = runtime_drafter(d.kind, drafter_module(config, target, tensors), target, keep_ids=keep)
+    drafter = served_drafter(d.kind, drafter_module(config, target, tensors), target, tensors)
     probe = tau_probe(ctx, prompts_from(val, 4), 48)
     tau = probe.measure(target, drafter)
     if d.lookup:  # what serving's trees can reach when calibrate keeps the branch

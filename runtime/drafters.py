@@ -92,6 +92,13 @@ def runtime_drafter(kind: str, module: nn.Module, target: Transformer, max_len: 
     raise no_weights(kind)
 
 
+def served_drafter(kind: str, module: nn.Module, target: Transformer, tensors: dict[str, torch.Tensor],
+                   max_len: int | None = None) -> Drafter:
+    """The Drafter around a trained module as a bundle's reader builds it: an lm's reduced draft vocabulary read
+    from its tensors."""
+    return runtime_drafter(kind, module, target, max_len, tensors.get(DRAFT_VOCAB))
+
+
 def bundle_weights(bundle: Bundle, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
     """(drafter config, tensors) of a weighted bundle, its packed weights restored when calibrate quantised them."""
     cfg = dict(bundle.drafter_config)
@@ -116,4 +123,4 @@ def build_drafter(bundle: Bundle, target: Transformer, max_len: int) -> Drafter:
         module = drafter_module(cfg, target, tensors, max_len)
     except (ValueError, TypeError, KeyError) as e:  # a config or weights that do not describe this kind
         raise BundleError(f"bundle {bundle.dir}: {e}") from None
-    return runtime_drafter(kind, module, target, max_len, tensors.get(DRAFT_VOCAB))
+    return served_drafter(kind, module, target, tensors, max_len)

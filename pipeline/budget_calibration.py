@@ -95,18 +95,19 @@ def successive_halving(n: int, prompts: list, run: Callable[[int | None, object]
 
 
 def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[list[int]], configured: DraftBudget,
-                     new_tokens: int, kv: dict, stop_ids: tuple[int, ...],
+                     new_tokens: int, engine_fields: dict, stop_ids: tuple[int, ...],
                      min_tau: float = 0.0, min_speedup: float = 0.0, tau_margin: float = 0.0,
                      lookups: tuple[int, ...] = (0,)) -> tuple[dict[str, str], dict, str]:
     """Time our autoregressive decode and every candidate on `prompts` by successive halving (`new_drafter()`
-    gives a fresh drafter, `kv` the KV EngineConfig fields); choose among those timed on every prompt by
-    choose_budget; write draft_budget.json and .png to `out`; return (outputs, metrics, message)."""
+    gives a fresh drafter, `engine_fields` further EngineConfig fields: the KV scheme, the lookup corpus); choose
+    among those timed on every prompt by choose_budget; write draft_budget.json and .png to `out`; return (outputs,
+    metrics, message)."""
     max_seq_len = max(map(len, prompts)) + new_tokens + configured.max_nodes + max(lookups) + 1
     cands = candidates(configured, lookups)
 
     def engine(drafter, budget: DraftBudget, adaptive: bool, lookup: int, max_tree: int) -> Engine:
         return Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, budget=budget, adaptive=adaptive,
-                                                    lookup=lookup, max_tree=max_tree, **kv))
+                                                    lookup=lookup, max_tree=max_tree, **engine_fields))
 
     engines = [engine(new_drafter(), *c) for c in cands]
     plain = engine(None, configured, False, 0, 0)
@@ -146,9 +147,11 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
 
 
 def budget_label(b: dict) -> str:
-    """'2x2/4 + lookup 8, cut to 5' for a budget dict (depth, width, nodes, adaptive, lookup, max_tree)."""
+    """'2x2/4 + lookup 8 (corpus), cut to 5' for a budget dict (depth, width, nodes, adaptive, lookup, max_tree,
+    and where known lookup_corpus)."""
     return f"{b['depth']}x{b['width']}/{b['nodes']}" + " adaptive" * b["adaptive"] \
-        + f" + lookup {b['lookup']}" * bool(b["lookup"]) + f", cut to {b['max_tree']}" * bool(b["max_tree"])
+        + f" + lookup {b['lookup']}" * bool(b["lookup"]) + " (corpus)" * bool(b["lookup"] and b.get("lookup_corpus")) \
+        + f", cut to {b['max_tree']}" * bool(b["max_tree"])
 
 
 def plot_budgets(sweep: list[dict], path: Path) -> Path:

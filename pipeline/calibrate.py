@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
-from pipeline.distill import TauProbe, draft_budget, load_target, tau_probe
+from pipeline.distill import TauProbe, draft_budget, load_target, lookup_corpus, tau_probe
 from pipeline.budget_calibration import calibrate_budget
 from pipeline.kv_calibration import calibrate_kv
 from pipeline.runstore import StageResult
@@ -113,6 +113,12 @@ def budget_prompts(ctx: StageContext, val: TokenizedSet, s: CalibrateSettings) -
     return prompts_from(val, n + s.budget_prompts)[n:] or prompts_from(val, s.budget_prompts)
 
 
+def corpus_field(ctx: StageContext, target) -> dict:
+    """The EngineConfig field of the lookup corpus export will ship: {} without one."""
+    corpus = lookup_corpus(ctx, target.config.vocab_size)
+    return {} if corpus is None else {"lookup_corpus": corpus}
+
+
 def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageResult:
     distill = ctx.input("distill")
     config = json.loads((distill / "drafter_config.json").read_text())
@@ -156,7 +162,7 @@ def run_calibrate(ctx: StageContext, s: CalibrateSettings = SETTINGS) -> StageRe
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
         ctx.out, timed, lambda: served_drafter(kind, timed_model, timed, tensors), budget_prompts(ctx, val, s),
         draft_budget(ctx), s.budget_new_tokens or ctx.cfg.validate.max_new_tokens,
-        kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())),
+        kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text())) | corpus_field(ctx, target),
         generation_stop_ids(ctx.target_dir), min_tau=gate.min_tau, min_speedup=gate.min_speedup,
         tau_margin=s.budget_tau_margin, lookups=tuple(sorted({0, ctx.cfg.drafter.lookup})))
     outputs |= budget_outputs

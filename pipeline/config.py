@@ -48,6 +48,7 @@ class DrafterCfg(Section):
     width: int = Field(4, ge=1)
     nodes: int = Field(24, ge=0)
     lookup: int = Field(16, ge=0)  # n-gram lookup branch merged into greedy draft trees, calibrate tries 0 and this
+    lookup_corpus: bool = True  # the branch drafts from the target's training answers where a reply has no match
     lm_layers: int = Field(4, ge=1)  # lm: decoder layers of the small independent LM
     lm_init: Literal["target", "random"] = "target"  # lm: start from the target's embeddings and first layers
     lm_base: str | None = None  # lm: an existing small causal LM (HF dir or hub id) to LoRA-tune instead

@@ -16,6 +16,7 @@ from runtime.drafters import drafter_config, drafter_module, drafter_tensors, se
 from runtime.engine import Engine, EngineConfig
 from runtime.precision import float_dtype, use_bf16
 from runtime.model import Transformer
+from runtime.ngram import NgramDrafter, answer_spans
 from runtime.quant_kv_cache import KVQuant
 from runtime.sampling import SamplingParams
 from train.batches import Batches
@@ -45,13 +46,14 @@ class TauProbe:
     stop_ids: tuple[int, ...] = ()
 
     def measure(self, target: Transformer, drafter, sparse: SpecAttnConfig | None = None, kv: KVQuant | None = None,
-                lookup: int = 0) -> dict:
+                lookup: int = 0, corpus: NgramDrafter | None = None) -> dict:
         """With `sparse` the target verifies with SpecAttn, and the KV reads it saved (mean over prompts) are
         reported too; with `kv` the target's and the drafter's KV histories are quantised; with `lookup` the n-gram
-        lookup branch joins the drafter's trees."""
+        lookup branch joins the drafter's trees, drafting from `corpus` where a reply has no match."""
         engine = Engine(target, drafter, EngineConfig(
             max_seq_len=target.max_seq_len, budget=self.budget, adaptive=False, sparse=sparse,
-            kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent, lookup=lookup))
+            kv_scheme=kv and kv.scheme, kv_recent=kv.recent if kv else EngineConfig.kv_recent, lookup=lookup,
+            lookup_corpus=corpus))
         forwards = tokens = 0
         saved = []
         for ids in self.prompts:
@@ -67,6 +69,22 @@ def tau_probe(ctx: StageContext, prompts: list[list[int]], new_tokens: int) -> T
     from runtime.bench import generation_stop_ids
 
     return TauProbe(prompts, draft_budget(ctx), new_tokens, generation_stop_ids(ctx.target_dir))
+
+
+def corpus_spans(ctx: StageContext) -> list[torch.Tensor] | None:
+    """The lookup branch's corpus: the target's answers in the training rows (with their turn headers), when the
+    drafter drafts with the branch (an ngram drafter has none) and `drafter.lookup_corpus` is on; None otherwise."""
+    d = ctx.cfg.drafter
+    if d.kind == "ngram" or not (d.lookup and d.lookup_corpus):
+        return None
+    ts = TokenizedSet.load(ctx.input("prepare") / "train.safetensors")
+    return answer_spans(ts.input_ids, ts.loss_mask, ts.offsets)
+
+
+def lookup_corpus(ctx: StageContext, vocab_size: int) -> NgramDrafter | None:
+    """corpus_spans as the trie the engine drafts from, as a bundle's reader builds it (runtime.ngram.load_corpus)."""
+    spans = corpus_spans(ctx)
+    return None if spans is None else NgramDrafter.corpus(vocab_size, spans, max_depth=ctx.cfg.drafter.lookup)
 
 
 def build(ctx: StageContext, target: Transformer, train_set: TokenizedSet):
@@ -136,7 +154,8 @@ def run_distill(ctx: StageContext) -> StageResult:
     probe = tau_probe(ctx, prompts_from(val, 4), 48)
     tau = probe.measure(target, drafter)
     if d.lookup:  # what serving's trees can reach when calibrate keeps the branch
-        tau["tau_lookup"] = probe.measure(target, drafter, lookup=d.lookup)["tau"]
+        corpus = lookup_corpus(ctx, target.config.vocab_size)
+        tau["tau_lookup"] = probe.measure(target, drafter, lookup=d.lookup, corpus=corpus)["tau"]
     metrics = {**{k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}, **tau,
                "steps": result["step"], "train_seconds": round(result["seconds"], 1),
                "offline_features": int(features is not None)}

@@ -12,12 +12,14 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from pipeline.distill import corpus_spans
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext
-from runtime.bundle import CONFIG, WEIGHTS, read_bundle
+from runtime.bundle import CONFIG, LOOKUP_CORPUS, WEIGHTS, read_bundle
 from runtime.drafters import WEIGHT_QUANT
+from runtime.ngram import save_corpus
 
 BUNDLE_DIR = "bundle"
 CALIBRATION_SUFFIXES = (".json", ".png")  # calibrate's reports (layer_map.json, quant.json, plots)
@@ -111,6 +113,11 @@ def run_export(ctx: StageContext) -> StageResult:
     fingerprint = target_fingerprint(ctx.target_dir)
     d = ctx.cfg.drafter
     extra_files = calibration_files(ctx.store)
+    spans = corpus_spans(ctx)
+    if spans is not None:  # written beside the bundle, copied in by write_bundle, removed below
+        extra_files[LOOKUP_CORPUS] = ctx.out / LOOKUP_CORPUS
+        vocab_size = json.loads((ctx.target_dir / "config.json").read_text())["vocab_size"]
+        save_corpus(extra_files[LOOKUP_CORPUS], spans, vocab_size)
     extra_manifest = {"draft_budget": {"depth": d.depth, "width": d.width, "nodes": d.nodes}}
     bundle_dir = ctx.out / BUNDLE_DIR
     lineage = dict(target_fingerprint=fingerprint, data_digest=data_digest(ctx.store),
@@ -129,5 +136,8 @@ def run_export(ctx: StageContext) -> StageResult:
         manifest = write({**extra_files, ONNX_FILE: scratch}, {**extra_manifest, "onnx": onnx_record})
         scratch.unlink()
         metrics |= {"bundle_files": len(manifest["files"]), "onnx_max_rel_diff": onnx_record["parity"]["max_rel_diff"]}
+    if spans is not None:
+        extra_files[LOOKUP_CORPUS].unlink()
+        metrics["lookup_corpus_tokens"] = sum(s.numel() for s in spans)
     return StageResult(outputs={"bundle": BUNDLE_DIR, "manifest": f"{BUNDLE_DIR}/manifest.json"}, metrics=metrics,
                        message=f"{drafter_config['kind']} bundle: {', '.join(sorted(manifest['files']))}")

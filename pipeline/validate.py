@@ -148,7 +148,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
              for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
-    full_cfg = replace(engine_cfg, budget=configured, adaptive=False, lookup=lookup, max_tree=0)
+    corpus = engine_cfg.lookup_corpus if engine_cfg.lookup == lookup else bundle.lookup_corpus(lookup)  # ~220 MB
+    full_cfg = replace(engine_cfg, budget=configured, adaptive=False, lookup=lookup, max_tree=0, lookup_corpus=corpus)
     full = Engine(target, build_drafter(bundle, target, max_seq_len), full_cfg)
     configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed)["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
@@ -157,10 +158,12 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
 
 
 def budget_dict(engine: Engine) -> dict:
-    """The draft budget `engine` runs, its lookup branch as the engine uses it (an ngram drafter has none)."""
+    """The draft budget `engine` runs, its lookup branch as the engine uses it (an ngram drafter has none), and
+    whether the branch drafts from a corpus."""
     cfg, b = engine.cfg, engine.cfg.budget
     return {"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": cfg.adaptive,
-            "lookup": cfg.lookup if engine.lookup is not None else 0, "max_tree": cfg.max_tree}
+            "lookup": cfg.lookup if engine.lookup is not None else 0, "max_tree": cfg.max_tree,
+            "lookup_corpus": engine.lookup is not None and engine.lookup.corpus is not None}
 
 
 def lossy_prompts(spec: Timed, ar: Timed) -> int:

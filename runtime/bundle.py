@@ -17,6 +17,7 @@ WEIGHTS = "drafter.safetensors"
 KV_QUANT = "kv_quant.json"  # calibrate's KV-cache scheme (QuantSpec); absent or "none": full-precision KV
 NO_KV_QUANT = "none"
 DRAFT_BUDGET = "draft_budget.json"  # calibrate's measured draft tree budget; absent: the one the caller configured
+LOOKUP_CORPUS = "lookup_corpus.safetensors"  # the lookup branch's corpus (runtime.ngram.save_corpus); optional
 
 
 class BundleError(ValueError):
@@ -50,15 +51,25 @@ class Bundle:
 
     def engine_settings(self, budget: DraftBudget) -> dict:
         """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme and draft budget
-        (whether the engine adapts it, and the n-gram lookup branch); `budget` and the engine's defaults when it has
-        none."""
+        (whether the engine adapts it, and the n-gram lookup branch, with the bundle's corpus if it has one);
+        `budget` and the engine's defaults when it has none."""
         fields = {"budget": budget, **self.kv_settings()}
         if self.has(DRAFT_BUDGET):
             chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
             fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),
                        "adaptive": chosen["adaptive"], "lookup": chosen.get("lookup", 0),  # older bundles: none
                        "max_tree": chosen.get("max_tree", 0)}
-        return fields
+        corpus = self.lookup_corpus(fields.get("lookup", 0))
+        return fields if corpus is None else fields | {"lookup_corpus": corpus}
+
+    def lookup_corpus(self, lookup: int):
+        """The lookup branch's corpus trie for a branch of `lookup` nodes (runtime.ngram.NgramDrafter); None
+        without a branch or a corpus."""
+        if not lookup or not self.has(LOOKUP_CORPUS):
+            return None
+        from runtime.ngram import load_corpus
+
+        return load_corpus(self.path(LOOKUP_CORPUS), max_depth=lookup)
 
     def tensors(self, name: str = WEIGHTS) -> dict:
         from safetensors.torch import load_file

@@ -10,6 +10,7 @@ w.r.t. the dense target by design (calibrate bounds the perplexity change); top_
 
 With `EngineConfig.lookup` a greedy step's tree also holds what followed an earlier occurrence of the sequence's last
 tokens (an n-gram trie beside the drafter): one trie with the drafter's tree (DraftTree.union), verified as one.
+With `EngineConfig.lookup_corpus` the branch drafts from that corpus where the sequence has no match.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class EngineConfig:
     # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.ngram) are
     # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
     lookup: int = 0
+    # greedy only: where the sequence has no match, the lookup branch continues a match in this frozen trie
+    # (runtime.ngram.NgramDrafter.corpus; a bundle's lookup corpus: the target's own answers to training prompts)
+    lookup_corpus: NgramDrafter | None = field(default=None, compare=False, repr=False)
     # greedy only: most nodes a verify holds, the drafter's and the lookup's together, keeping the likeliest
     # (DraftTree.best); 0: no limit. Where a verify's cost grows in steps (our CPU kernel's 6-row tiles), a tree
     # that fills its last step beats one that spills into the next.
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
         if self.kv_scheme is not None:
             KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
+        if self.lookup_corpus is not None and not isinstance(self.lookup_corpus, NgramDrafter):
+            raise ValueError(f"EngineConfig: lookup_corpus={self.lookup_corpus!r}, expected an NgramDrafter or None")
         for name in ("lookup", "max_tree"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -138,7 +144,7 @@ class Engine:
             drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
         if drafter is not None:
             drafter.track_attention = cfg.sparse is not None
-        self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup) \
+        self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup, corpus=cfg.lookup_corpus) \
             if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
         self.static = None
         if cfg.static_verify:

@@ -5,6 +5,10 @@ often it occurs. The node of the longest recent suffix (up to max_ngram tokens) 
 match; its subtree is a tree of continuations with their counts, and propose() takes the most frequent of them
 best-first within the budget. Appending a token extends only the suffix nodes it already tracks, so the cost
 per committed token is O(max_ngram + max_depth), independent of the sequence length.
+
+A `corpus` (`NgramDrafter.corpus`: a frozen trie of other token spans, such as the target's own answers to the
+training prompts) is where propose() looks when the sequence itself has no match, as REST retrieves drafts from a
+datastore: a small target's answers share many phrases, and the corpus holds them before the sequence does.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -24,21 +29,61 @@ from runtime.tree import DraftTree
 # SmolLM2-135M-Instruct (greedy), the first node was accepted 61% of the time, each later one 82-95% of the time
 # its parent was (rising with depth), so P(depth d) ~ 0.61 * 0.87^(d-1): 0.23 at depth 8, as measured.
 FIRST_ACCEPT, NEXT_ACCEPT = 0.61, 0.87
+# The same for a corpus continuation where the sequence had no match (the default's 720 training answers against
+# its 35 validation answers): 55% accepted first, then 57-85% its parent was, rising with depth.
+CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT = 0.55, 0.7
+MAX_NGRAM = 4  # longest suffix matched, by default
 
 
-def depth_score(depth: int) -> float:
-    return math.log(FIRST_ACCEPT) + (depth - 1) * math.log(NEXT_ACCEPT)
+def depth_score(depth: int, first: float = FIRST_ACCEPT, later: float = NEXT_ACCEPT) -> float:
+    return math.log(first) + (depth - 1) * math.log(later)
+
+
+def answer_spans(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor,
+                 context: int = MAX_NGRAM) -> list[torch.Tensor]:
+    """Every run of loss-masked tokens (an answer) of the rows a flat (input_ids, loss_mask, offsets) set holds,
+    each with up to `context` tokens before it in its row, so an answer's opening matches its turn header."""
+    spans = []
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        zero = torch.zeros(1, dtype=torch.int32)
+        edges = torch.diff(loss_mask[a:b].bool().int(), prepend=zero, append=zero)
+        starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+        spans += [input_ids[a + max(0, s - context):a + e].long() for s, e in zip(starts, ends)]
+    return spans
+
+
+def save_corpus(path: Path, spans: list[torch.Tensor], vocab_size: int) -> None:
+    """A corpus's spans as safetensors (flat int32 tokens + offsets; the vocabulary size in the metadata)."""
+    from safetensors.torch import save_file
+
+    lengths = torch.tensor([0] + [s.numel() for s in spans], dtype=torch.int64)
+    tokens = torch.cat(spans).int() if spans else torch.zeros(0, dtype=torch.int32)
+    save_file({"tokens": tokens, "offsets": lengths.cumsum(0)}, str(path), metadata={"vocab_size": str(vocab_size)})
+
+
+def load_corpus(path: Path, max_depth: int) -> NgramDrafter:
+    """The corpus trie of a file save_corpus wrote, holding continuations up to `max_depth` tokens."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        vocab_size, tokens, offsets = int(f.metadata()["vocab_size"]), f.get_tensor("tokens"), f.get_tensor("offsets")
+    bounds = offsets.tolist()
+    return NgramDrafter.corpus(vocab_size, [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                               max_depth=max_depth)
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, vocab_size: int, max_ngram: int = 4, max_depth: int = 8, min_ngram: int = 1):
+    def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM, max_depth: int = 8, min_ngram: int = 1,
+                 corpus: NgramDrafter | None = None):
         for name, v in (("vocab_size", vocab_size), ("max_ngram", max_ngram), ("max_depth", max_depth),
                         ("min_ngram", min_ngram)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"NgramDrafter: {name}={v!r}, expected an int >= 1")
         if min_ngram > max_ngram:
             raise ValueError(f"NgramDrafter: min_ngram={min_ngram} > max_ngram={max_ngram}")
-        self.vocab_size = vocab_size
+        if corpus is not None and (not isinstance(corpus, NgramDrafter) or corpus.vocab_size != vocab_size):
+            raise ValueError(f"NgramDrafter: corpus={corpus!r}, expected an NgramDrafter of vocab_size {vocab_size}")
+        self.vocab_size, self.corpus = vocab_size, corpus
         self.max_ngram, self.max_depth, self.min_ngram = max_ngram, max_depth, min_ngram
         self._device = torch.device("cpu")  # trees go where reset's tokens live (the engine's device)
         self._window = max_ngram + max_depth  # a matched context plus its longest continuation
@@ -54,7 +99,19 @@ class NgramDrafter(Drafter):
         self._count: list[int] = [0]  # occurrences of the node's string in the sequence
         self._last: list[int] = [0]  # end of its latest occurrence: ties in count go to the most recent
         self._suffixes: list[int] = []  # _suffixes[L-1] = node of the last L committed tokens, L <= window
+        self._tail: list[int] = []  # the last max_ngram committed tokens, to match in the corpus
         self._length = 0
+
+    @staticmethod
+    def corpus(vocab_size: int, spans: list[torch.Tensor], max_ngram: int = MAX_NGRAM, max_depth: int = 8,
+               min_ngram: int = 2) -> NgramDrafter:
+        """A trie of every substring within one of `spans`, to pass as another drafter's `corpus`: its
+        continuations of at least `min_ngram` matched tokens are proposed where that drafter's sequence has none."""
+        trie = NgramDrafter(vocab_size, max_ngram, max_depth, min_ngram)
+        for span in spans:
+            trie._suffixes = []  # no substring across two spans
+            trie._append(span)
+        return trie
 
     def _append(self, tokens: torch.Tensor) -> None:
         if tokens.dim() != 1:
@@ -81,6 +138,7 @@ class NgramDrafter(Drafter):
                 self._last[child] = self._length
                 extended.append(child)
             self._suffixes = extended
+        self._tail = (self._tail + values[-self.max_ngram:])[-self.max_ngram:]
 
     def _children(self, node: int) -> Iterator[int]:
         child = self._first_child[node]
@@ -108,13 +166,33 @@ class NgramDrafter(Drafter):
                 return node
         return None
 
+    def _node_of(self, context: list[int]) -> int | None:
+        """Trie node of the longest suffix (min_ngram..max_ngram tokens) of `context` that has a continuation."""
+        for length in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            node = 0
+            for token in context[-length:]:
+                node = self._edges.get(node * self.vocab_size + token)
+                if node is None:
+                    break
+            if node is not None and self._first_child[node] >= 0:
+                return node
+        return None
+
     def propose(self, budget: DraftBudget, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
         """Most frequent continuations of the match, best-first by count: a child never outranks its parent, so
-        the tree is the budget's worth of most frequent paths. Deterministic (q None) whatever the params."""
+        the tree is the budget's worth of most frequent paths; the corpus's where the sequence has no match.
+        Deterministic (q None) whatever the params."""
         match = self._match()
-        if match is None:
-            return DraftTree.empty(self._device)
+        if match is not None:
+            return self._tree(match, budget, FIRST_ACCEPT, NEXT_ACCEPT, self._device)
+        match = None if self.corpus is None else self.corpus._node_of(self._tail)
+        if match is not None:
+            return self.corpus._tree(match, budget, CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT, self._device)
+        return DraftTree.empty(self._device)
+
+    def _tree(self, match: int, budget: DraftBudget, first: float, later: float,
+              device: torch.device) -> DraftTree:
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -132,9 +210,9 @@ class NgramDrafter(Drafter):
             _, node, parent, depth = heapq.heappop(frontier)
             tokens.append(self._token[node])
             parents.append(parent)
-            scores.append(depth_score(depth))
+            scores.append(depth_score(depth, first, later))
             if depth < budget.depth:
                 push_children(node, len(tokens) - 1, depth + 1)
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._device),
-                         torch.tensor(parents, dtype=torch.long, device=self._device), None,
-                         torch.tensor(scores, device=self._device))
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
+                         torch.tensor(parents, dtype=torch.long, device=device), None,
+                         torch.tensor(scores, device=device))

@@ -107,3 +107,18 @@ def test_engine_settings_take_the_calibrated_budget(tmp_path):
                           "max_tree": 0, "kv_scheme": "int4", "kv_recent": 16}  # max_tree: none chosen (older)
     assert read_bundle(tmp_path / "without").engine_settings(configured) == {"budget": configured}
     assert EngineConfig(**calibrated).budget.max_nodes == 4  # what validate and serving build their engines with
+
+
+def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_drafts_with_the_branch(tmp_path):
+    from runtime.ngram import save_corpus
+
+    save_corpus(tmp_path / "lookup_corpus.safetensors", [torch.tensor([5, 6, 7, 8])], vocab_size=100)
+    for lookup in (8, 0):
+        report = {"chosen": {"depth": 2, "width": 2, "nodes": 4, "adaptive": False, "lookup": lookup}, "sweep": []}
+        (tmp_path / "draft_budget.json").write_text(json.dumps(report))
+        extra = {n: tmp_path / n for n in ("draft_budget.json", "lookup_corpus.safetensors")}
+        write_bundle(tmp_path / f"b{lookup}", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp",
+                     data_digest="dd", config={}, code_version="test", extra_files=extra)
+    corpus = read_bundle(tmp_path / "b8").engine_settings(DraftBudget(depth=6))["lookup_corpus"]
+    assert corpus.vocab_size == 100 and corpus.max_depth == 8 and corpus._node_of([5, 6]) is not None
+    assert "lookup_corpus" not in read_bundle(tmp_path / "b0").engine_settings(DraftBudget(depth=6))  # no branch

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from helpers import run_stage_on, self_distilled_rows
 from export.bundle import write_bundle
@@ -18,12 +18,13 @@ from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext
 from pipeline.validate import REPORT_JSON, REPORT_MD, run_validate
-from runtime.bundle import read_bundle
+from runtime.bundle import LOOKUP_CORPUS, read_bundle
 from runtime.drafter import DraftBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.engine import Engine, EngineConfig
 from runtime.lm_drafter import LMDrafter
 from runtime.model import Transformer, hf_causal_lm, hf_config, hf_state_dict
+from runtime.ngram import answer_spans
 from runtime.sampling import SamplingParams
 from train import recipes
 from train.batches import Batches
@@ -242,6 +243,10 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
     assert bundle.manifest["onnx"]["parity"]["passed"]
     drafter = build_drafter(bundle, target, 256)
     assert isinstance(drafter, LMDrafter) and drafter.head.keep_ids.numel() == 64
+    # the lookup branch's corpus: the training rows' answers, each after its last 4 tokens of context
+    spans = answer_spans(self_distilled.input_ids, self_distilled.loss_mask, self_distilled.offsets)
+    assert torch.equal(load_file(str(bundle.path(LOOKUP_CORPUS)))["tokens"].long(), torch.cat(spans))
+    assert bundle.engine_settings(DraftBudget(3))["lookup_corpus"].max_depth == 4  # the calibrated branch's depth
 
     rec = run_stage_on(store, "validate", cfg, target_dir, run_validate)
     report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
@@ -251,6 +256,7 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
     assert row["speedup_hf_assisted"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_assisted"])
     assert report["metrics"]["speedup_hf_assisted"] == row["speedup_hf_assisted"]
     assert report["budget"]["lookup"] == 4  # HF prompt lookup of as many tokens is the lookup branch's peer
+    assert report["budget"]["lookup_corpus"] and report["configured_tree"]["budget"]["lookup_corpus"]
     assert row["tokens_per_s_hf_lookup"] > 0 and row["new_tokens"]["hf_lookup"] > 0
     assert report["metrics"]["speedup_hf_lookup"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_lookup"])
     md = (store.stage_dir("validate") / REPORT_MD).read_text()

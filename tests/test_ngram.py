@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.drafter import DraftBudget, Drafter
-from runtime.ngram import NgramDrafter
+from runtime.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
 from runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -158,3 +158,36 @@ def test_bad_input():
         d.reset(torch.tensor([0, 10]), None)
     with pytest.raises(ValueError, match=r"expected \[m\]"):
         d.reset(torch.tensor([[1, 2]]), None)
+
+
+def test_answer_spans_are_the_masked_runs_with_their_context():
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1])  # rows [0, 6) and [6, 11)
+    spans = answer_spans(ids, mask, torch.tensor([0, 6, 11]), context=2)
+    assert [s.tolist() for s in spans] == [[1, 2, 3, 4], [7, 8, 9], [9, 10, 11]]  # context stays inside its row
+
+
+def test_the_corpus_drafts_where_the_sequence_has_no_match():
+    corpus = NgramDrafter.corpus(100, [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([20, 21, 5, 6, 30])])
+    d = NgramDrafter(100, corpus=corpus)
+    d.reset(torch.tensor([1, 2, 3, 5, 6]))  # no earlier "6": the corpus continues "5 6" (7 and 30, once each)
+    tree = d.propose(DraftBudget(depth=3, width=2), GREEDY)
+    assert sorted(_paths(tree)) == [[7], [7, 8], [7, 8, 9], [30]]
+    assert tree.scores[0] < _drafter([5, 6, 7, 5, 6]).propose(DraftBudget(depth=1), GREEDY).scores[0]
+    d.commit(torch.tensor([40, 5, 6]))  # the sequence's own "5 6" continues with 40... and wins over the corpus
+    assert _paths(d.propose(DraftBudget(depth=1), GREEDY)) == [[40]]
+    d.reset(torch.tensor([1, 2, 3, 9, 6]))  # "6" alone is shorter than the corpus's min_ngram of 2: nothing
+    assert len(d.propose(DraftBudget(depth=3), GREEDY)) == 0
+    d.reset(torch.tensor([1, 9, 20]))  # no substring across two spans: "9 20" was never seen
+    assert len(d.propose(DraftBudget(depth=1), GREEDY)) == 0
+
+
+def test_a_saved_corpus_drafts_as_the_one_it_was_saved_from(tmp_path):
+    spans = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([20, 21, 5, 6, 30])]
+    save_corpus(tmp_path / "c.safetensors", spans, vocab_size=100)
+    for corpus in (NgramDrafter.corpus(100, spans, max_depth=3), load_corpus(tmp_path / "c.safetensors", 3)):
+        d = NgramDrafter(100, corpus=corpus)
+        d.reset(torch.tensor([1, 5, 6]))
+        assert sorted(_paths(d.propose(DraftBudget(depth=4, width=2), GREEDY))) == [[7], [7, 8], [7, 8, 9], [30]]
+    with pytest.raises(ValueError, match="vocab_size 50"):
+        NgramDrafter(50, corpus=load_corpus(tmp_path / "c.safetensors", 3))

@@ -250,7 +250,8 @@ def test_validate_also_measures_the_configured_tree_beside_the_served_budget(tmp
     report = json.loads((out / REPORT_JSON).read_text())
     full = report["configured_tree"]
     assert report["budget"]["nodes"] == 1 and len(report["temperatures"][0]["acceptance_by_depth"]) <= 1
-    assert full["budget"] == {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 0, "max_tree": 0}
+    assert full["budget"] == {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 0, "max_tree": 0,
+                              "lookup_corpus": False}
     assert full["lossy_prompts"] == 0 and len(full["acceptance_by_depth"]) == 3
     assert rec["metrics"]["tau_configured"] == full["tau"] >= 1.0
     assert "With the configured tree (3x2/6)" in (out / REPORT_MD).read_text()

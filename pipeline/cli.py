@@ -186,7 +186,7 @@ def cmd_bench(args) -> int:
     if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
-        fields = bundle.engine_settings(default) | (chosen or {})  # as serving runs it, unless --budget
+        fields = bundle.engine_settings(default, chosen)  # as serving runs it, unless --budget
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),

@@ -49,16 +49,18 @@ class Bundle:
         """EngineConfig fields for the calibrated KV-cache quantisation: {} when the bundle has none."""
         return kv_engine_fields(json.loads(self.path(KV_QUANT).read_text())) if self.has(KV_QUANT) else {}
 
-    def engine_settings(self, budget: DraftBudget) -> dict:
+    def engine_settings(self, budget: DraftBudget, override: dict | None = None) -> dict:
         """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme and draft budget
         (whether the engine adapts it, and the n-gram lookup branch, with the bundle's corpus if it has one);
-        `budget` and the engine's defaults when it has none."""
+        `budget` and the engine's defaults when it has none. `override` (budget fields, as `pipeline bench --budget`
+        gives them) replaces the calibrated budget."""
         fields = {"budget": budget, **self.kv_settings()}
         if self.has(DRAFT_BUDGET):
             chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
             fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),
                        "adaptive": chosen["adaptive"], "lookup": chosen.get("lookup", 0),  # older bundles: none
                        "max_tree": chosen.get("max_tree", 0)}
+        fields |= override or {}
         corpus = self.lookup_corpus(fields.get("lookup", 0))
         return fields if corpus is None else fields | {"lookup_corpus": corpus}
 

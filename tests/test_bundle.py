@@ -122,3 +122,6 @@ def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_dra
     corpus = read_bundle(tmp_path / "b8").engine_settings(DraftBudget(depth=6))["lookup_corpus"]
     assert corpus.vocab_size == 100 and corpus.max_depth == 8 and corpus._node_of([5, 6]) is not None
     assert "lookup_corpus" not in read_bundle(tmp_path / "b0").engine_settings(DraftBudget(depth=6))  # no branch
+    bench = {"budget": DraftBudget(2, 1, 2), "adaptive": False, "lookup": 4, "max_tree": 0}  # pipeline bench --budget
+    assert read_bundle(tmp_path / "b0").engine_settings(DraftBudget(depth=6), bench)["lookup_corpus"].max_depth == 4
+    assert "lookup_corpus" not in read_bundle(tmp_path / "b8").engine_settings(DraftBudget(6), bench | {"lookup": 0})

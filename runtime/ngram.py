@@ -43,9 +43,8 @@ def answer_spans(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torc
                  context: int = MAX_NGRAM) -> list[torch.Tensor]:
     """Every run of loss-masked tokens (an answer) of the rows a flat (input_ids, loss_mask, offsets) set holds,
     each with up to `context` tokens before it in its row, so an answer's opening matches its turn header."""
-    spans = []
+    spans, zero = [], torch.zeros(1, dtype=torch.int32)
     for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        zero = torch.zeros(1, dtype=torch.int32)
         edges = torch.diff(loss_mask[a:b].bool().int(), prepend=zero, append=zero)
         starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
         spans += [input_ids[a + max(0, s - context):a + e].long() for s, e in zip(starts, ends)]

@@ -1,10 +1,10 @@
 """GPU check of the Triton kernels against their torch references (issue #8): `python -m kernels.gpu_check`.
 
-Runs every kernel in kernels/topp.py and kernels/kv_quant.py natively on CUDA next to its torch reference (the
-reference also runs on CUDA), on fresh random inputs, in fp32 and bf16 inputs, and prints one table: exactness
-(bit-exact output, or the max abs error and the share of differing elements) and the median time of each
-(triton.testing.do_bench). Outputs are poisoned before each kernel run so an unwritten element shows as a
-mismatch. Needs a CUDA GPU; exits 2 without one.
+Runs every kernel in kernels/topp.py, kernels/kv_quant.py and kernels/sparse_attention.py natively on CUDA next
+to its torch reference (the reference also runs on CUDA), on fresh random inputs, in fp32 and bf16 inputs, and
+prints one table: exactness (bit-exact output, or the max abs error and the share of differing elements) and the
+median time of each (triton.testing.do_bench). Outputs are poisoned before each kernel run so an unwritten element
+shows as a mismatch. Needs a CUDA GPU; exits 2 without one.
 
 The top-p threshold may legitimately differ from the reference where a candidate mass lies within fp32 rounding
 of p (the kernel and torch sum in different orders); the table counts such rows instead of hiding them.
@@ -47,6 +47,7 @@ def _poisoned_call(kernel, args, outs_like):
 
 def check_all(device: str = "cuda", seed: int = 0) -> list[dict]:
     from kernels import kv_quant as kq
+    from kernels import sparse_attention as sa
     from kernels import topp
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -100,7 +101,32 @@ def check_all(device: str = "cuda", seed: int = 0) -> list[dict]:
             for p in (0.5, 0.9, 0.99):
                 add(f"topp_mask p={p}", dtype, shape, lambda t: topp.topp_mask_torch(t, p),
                     lambda t: topp.topp_mask_triton(t, p), (w,))
+    # SpecAttn sparse verification: a 16-token verify over S keys, each kv head keeping `share` of the prefix.
+    # Not bit-exact (another summation order): max|err| is the measure. The torch column is SDPA over the same
+    # allowed keys, masked, which is what the sdpa backend runs (and reads every key for).
+    for dtype in (torch.float32, torch.bfloat16):
+        for H, Hkv, D in ((9, 3, 64), (32, 8, 128)):
+            for S, share in ((512, 0.3), (4096, 0.1), (4096, 0.3)):
+                T = 16
+                q = torch.randn(1, H, T, D, generator=g, device=device).to(dtype)
+                keys, values = (torch.randn(1, Hkv, S, D, generator=g, device=device).to(dtype) for _ in range(2))
+                mask = torch.ones(1, 1, T, S, dtype=torch.bool, device=device)
+                mask[..., S - T:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+                keep = torch.rand(1, Hkv, 1, S, generator=g, device=device) < share
+                keep[..., S - T:] = True  # the tokens being verified
+                add(f"sparse_attn H{H}/{Hkv} keep {share}", dtype, (H, T, D, S), _efficient_sdpa,
+                    sa.sparse_attention_triton, (q, keys, values, mask, keep))
     return rows
+
+
+def _efficient_sdpa(*args):
+    """The sparse reference under the SDPA kernels runtime.attention uses on CUDA (cuDNN plans every new shape)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import sparse_attention as sa
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return sa.sparse_attention_torch(*args)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -7,7 +7,8 @@ narrows each kv head further to the keys it reads, one set for every query or on
 
 Choice: the first registered backend in AUTO_ORDER that runs on the tensors' device, unless the environment
 variable DRAFTSMITH_ATTENTION_BACKEND names one. "sdpa" (torch SDPA) runs everywhere and is the reference every
-other backend is compared with.
+other backend is compared with. "triton_sparse" (CUDA) reads only SpecAttn's kept keys; "flashinfer" (CUDA) where
+the package is installed.
 
 SpecAttn (`SpecAttnConfig`, `kept_keys`): target layer j >= dense_first, mapped by the layer map to draft layer
 i, reads per kv head only the prefix keys holding top_p of draft layer i's attention (a sorting-free threshold,
@@ -29,11 +30,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.sparse_attention import kept_positions, sparse_attention_triton
 from kernels.topp import topp_mask
 
 BACKEND_ENV = "DRAFTSMITH_ATTENTION_BACKEND"
 # fastest first, as measured; a name is skipped until a backend registers it. flashinfer is correct on an H100
-# but was slower than SDPA at every size measured (docs/gpu.md), so it runs only when named.
+# but was slower than SDPA at every size measured (docs/gpu.md), so it runs only when named; so does
+# triton_sparse until it is measured on a GPU.
 AUTO_ORDER = ("sdpa",)
 
 
@@ -50,7 +53,8 @@ class AttentionBackend(abc.ABC):
                  keep: Tensor | None) -> Tensor:
         """q [B, H, T, D], keys/values [B, Hkv, S, D], mask [B, 1, T, S] or None, keep [B, Hkv, 1|T, S] or None
         -> [B, H, T, D]. A mask is read-only once passed: every layer of a forward gets the same one, and a
-        backend may keep what it derived from it for the next call with that same tensor."""
+        backend may keep what it derived from it for the next call with that same tensor. So is `keep`: the layers
+        mapped to one draft layer get the same one (SpecAttnConfig.layer_keep)."""
 
 
 BACKENDS: dict[str, AttentionBackend] = {}
@@ -145,7 +149,31 @@ class SdpaBackend(AttentionBackend):
         return additive
 
 
+class TritonSparseBackend(AttentionBackend):
+    """SpecAttn sparse verification through kernels/sparse_attention.py: a sparse layer reads only the keys each kv
+    head keeps, where sdpa reads them all and masks. Dense calls (no `keep`) go to sdpa. Runs on CUDA, and on the
+    CPU inside Triton's interpreter (TRITON_INTERPRET=1), where the tests run it."""
+
+    name = "triton_sparse"
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+    def __init__(self):
+        self._listed: tuple[Tensor, tuple[Tensor, Tensor]] | None = None  # (a keep mask, its kept positions)
+
+    def __call__(self, q, keys, values, mask, keep):
+        if keep is None:
+            return BACKENDS["sdpa"](q, keys, values, mask, keep)
+        last = self._listed  # the layers mapped to one draft layer share its keep object (layer_keep): list it once
+        if last is None or last[0] is not keep:
+            last = self._listed = (keep, kept_positions(keep))
+        return sparse_attention_triton(q, keys, values, mask, keep, last[1])
+
+
 register_backend(SdpaBackend())
+register_backend(TritonSparseBackend())
 # flashinfer (issue #8, GPU only) registers when the package is installed (found without importing it), with
 # runs_on = CUDA: decode, and tree verification through its custom-mask prefill (kernels/flashinfer_attention.py).
 # SpecAttn keep masks, fp32 and batch > 1 go to sdpa from inside it.
@@ -206,7 +234,8 @@ class SpecAttnConfig:
         if max(self.layer_map, default=-1) >= keep.shape[0]:
             raise ValueError(f"SpecAttnConfig: layer_map={self.layer_map} names a draft layer beyond the drafter's "
                              f"{keep.shape[0]}")
-        return [keep[i][None] if j >= self.dense_first and i >= 0 else None for j, i in enumerate(self.layer_map)]
+        views = {i: keep[i][None] for i in set(self.layer_map) if i >= 0}  # one per draft layer, for backends to reuse
+        return [views[i] if j >= self.dense_first and i >= 0 else None for j, i in enumerate(self.layer_map)]
 
 
 def kept_keys(draft_attention: Tensor, prefix_len: Tensor, n_keys: int, n_kv_heads: int, top_p: float,

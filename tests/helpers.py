@@ -1,6 +1,12 @@
 """Helpers shared by several test modules (imported as `helpers`, like mlflow_server)."""
 from __future__ import annotations
 
+import inspect
+import os
+import subprocess
+import sys
+from typing import Callable
+
 import torch
 
 from pipeline.runstore import RunStore
@@ -32,3 +38,18 @@ def run_stage_on(store: RunStore, stage: str, cfg, target_dir, fn) -> dict:
         ctx.__dict__["target_dir"] = target_dir  # the cached_property, without resolving a preset
         return fn(ctx)
     return store.run_stage(stage, f"digest-{stage}", body)
+
+
+def run_in_triton_interpreter(check: Callable[..., None], *args: str) -> None:
+    """Run `check(*args)`, a module-level function of a test module, in a fresh Python with TRITON_INTERPRET=1.
+
+    Triton chooses interpreter or compiler when a function is decorated -- its own library (tl.sum, tl.zeros)
+    included, at `import triton` -- so the variable only works if set before anything imports triton, which
+    this pytest process cannot promise."""
+    path = inspect.getfile(check)
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(path)!r}); import importlib.util as u; "
+            f"s = u.spec_from_file_location('checks', {path!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
+            f"m.{check.__name__}(*{args!r})")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]

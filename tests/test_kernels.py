@@ -1,30 +1,14 @@
-"""kernels/topp.py and kernels/kv_quant.py: torch references against their definitions, Triton kernels
-(in Triton's CPU interpreter, fp32: the interpreter has no bf16) against the references."""
+"""kernels/topp.py, kernels/kv_quant.py and kernels/sparse_attention.py: torch references against their
+definitions, Triton kernels (in Triton's CPU interpreter, fp32: the interpreter has no bf16) against the references."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from typing import Callable
 
 import pytest
 import torch
 
 import kernels.kv_quant as kvq
+import kernels.sparse_attention as sa
 import kernels.topp as topp
-
-
-def run_in_triton_interpreter(check: Callable[[], None]) -> None:
-    """Run `check`, a function of this module, in a fresh Python with TRITON_INTERPRET=1.
-
-    Triton chooses interpreter or compiler when a function is decorated -- its own library (tl.sum, tl.zeros)
-    included, at `import triton` -- so the variable only works if set before anything imports triton, which
-    this pytest process cannot promise."""
-    code = (f"import importlib.util as u; s = u.spec_from_file_location('checks', {__file__!r}); "
-            f"m = u.module_from_spec(s); s.loader.exec_module(m); m.{check.__name__}()")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+from helpers import run_in_triton_interpreter
 
 
 def softmax_rows(*shape: int, seed: int, sharpness: float = 3.0) -> torch.Tensor:
@@ -179,3 +163,47 @@ def check_kv_quant_triton_matches_torch() -> None:
 
 def test_kv_quant_triton_matches_torch_bit_for_bit_in_the_interpreter():
     run_in_triton_interpreter(check_kv_quant_triton_matches_torch)
+
+
+# ---- SpecAttn sparse attention ---------------------------------------------------------------------------------
+
+def check_sparse_attention_triton_matches_torch() -> None:
+    g = torch.Generator().manual_seed(0)
+    # (B, H, Hkv, T, S, D, keep rows): SmolLM2's 9 over 3 heads, a tree verify, a batch of 2 with one kept set
+    # per query, a decode without grouping, a head dim that is no power of two
+    for B, H, Hkv, T, S, D, R in [(1, 9, 3, 6, 70, 64, 1), (2, 4, 2, 5, 40, 24, 5), (1, 4, 4, 1, 33, 16, 1)]:
+        q = torch.randn(B, H, T, D, generator=g)
+        keys, values = (torch.randn(B, Hkv, S + 7, D, generator=g)[:, :, :S] for _ in range(2))  # cache slices
+        mask = torch.rand(B, 1, T, S, generator=g) > 0.3
+        keep = torch.rand(B, Hkv, R, S, generator=g) > 0.6
+        mask[..., -1] = keep[..., -1] = True  # every query sees a key
+        for m in (mask, None):
+            ref = sa.sparse_attention_torch(q, keys, values, m, keep)
+            torch.testing.assert_close(sa.sparse_attention_triton(q, keys, values, m, keep), ref)
+            # it reads no key or value it does not keep: poisoned, they leave the output as it was
+            unread = ~keep.any(2, keepdim=True).transpose(2, 3)
+            poisoned = [x.masked_fill(unread, float("nan")) for x in (keys, values)]
+            torch.testing.assert_close(sa.sparse_attention_triton(q, *poisoned, m, keep), ref)
+        every = torch.ones_like(keep)
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, keys.repeat_interleave(H // Hkv, 1), values.repeat_interleave(H // Hkv, 1), attn_mask=mask)
+        torch.testing.assert_close(sa.sparse_attention_triton(q, keys, values, mask, every), dense)
+
+
+def test_sparse_attention_triton_matches_torch_in_the_interpreter():
+    run_in_triton_interpreter(check_sparse_attention_triton_matches_torch)
+
+
+def test_kept_positions_list_each_heads_kept_keys_in_order():
+    keep = torch.tensor([[[[1, 0, 0, 1, 0]], [[0, 0, 0, 0, 0]]], [[[0, 1, 0, 0, 0]], [[1, 1, 1, 1, 1]]]],
+                        dtype=torch.bool)  # [B=2, Hkv=2, 1, S=5]
+    positions, counts = sa.kept_positions(keep)
+    assert counts.tolist() == [2, 0, 1, 5]
+    assert [p[:n] for p, n in zip(positions.tolist(), counts.tolist())] == [[0, 3], [], [1], [0, 1, 2, 3, 4]]
+    per_query = torch.zeros(1, 1, 2, 5, dtype=torch.bool)
+    per_query[0, 0, 0, 4] = per_query[0, 0, 1, 1] = True
+    positions, counts = sa.kept_positions(per_query)  # the union of the rows
+    assert counts.tolist() == [2] and positions[0, :2].tolist() == [1, 4]
+    with pytest.raises(ValueError, match="do not fit"):
+        sa.sparse_attention_triton(torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), None,
+                                   torch.ones(1, 2, 3, 5, dtype=torch.bool))

@@ -1,8 +1,13 @@
 """Attention backends and SpecAttn sparse verification: registry, exactness of the sparse path, minimal top-p
-key sets, the EAGLE and lm draft attention's alignment, and the engine verifying sparsely."""
+key sets, the EAGLE and lm draft attention's alignment, and the engine verifying sparsely (through sdpa's masks and
+the Triton kernel that reads only the kept keys)."""
+import os
+
 import pytest
 import torch
 
+import runtime.attention
+from helpers import run_in_triton_interpreter
 from runtime.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
 from runtime.drafter import DraftBudget, Drafter
 from runtime.eagle import EagleDrafter
@@ -202,6 +207,33 @@ def test_engine_sparse_verification(target, eagle):
     sparse = generate(SpecAttnConfig(layer_map, top_p=0.5, sink=1, recent=2))
     assert 0 < sparse.metrics.kv_saved < 0.5  # two of four layers stay dense
     assert generate(SpecAttnConfig(layer_map, top_p=0.5, dense_first=N_LAYERS)).metrics.kv_saved == 0.0
+
+
+def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
+    target = Transformer.from_pretrained(model_dir, max_seq_len=128)
+    calls, listings = [], []
+    kernel, listing = runtime.attention.sparse_attention_triton, runtime.attention.kept_positions
+    runtime.attention.sparse_attention_triton = lambda *args: calls.append(1) or kernel(*args)
+    runtime.attention.kept_positions = lambda keep: listings.append(1) or listing(keep)
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3, width=2, nodes=5),
+                          sparse=SpecAttnConfig((-1, -1, 0, 0), top_p=0.5, sink=1, recent=2))
+    drafter = EagleDrafter(recipes.build_eagle(target, None).eval(), 128)
+    outs = {}
+    for name in ("sdpa", "triton_sparse"):
+        os.environ[BACKEND_ENV] = name
+        outs[name] = Engine(target, drafter, config).generate(prompt, 16, SamplingParams())
+    assert calls and len(calls) == 2 * len(listings)  # two sparse layers a verify share one listing of the keys
+    assert outs["triton_sparse"].tokens == outs["sdpa"].tokens
+    assert outs["triton_sparse"].metrics.kv_saved == outs["sdpa"].metrics.kv_saved > 0
+
+
+def test_engine_verifies_through_the_triton_sparse_kernel_as_through_sdpa(tiny_model_dir):
+    """The kernel in the engine, in Triton's CPU interpreter: the same tokens and reads as sdpa's masked path."""
+    with pytest.raises(ValueError, match="cannot run on device 'cpu'"):
+        pick_backend(torch.device("cpu"), "triton_sparse")  # outside the interpreter: CUDA only
+    run_in_triton_interpreter(check_triton_sparse_verifies_as_sdpa,
+                              str(tiny_model_dir("llama", num_hidden_layers=N_LAYERS, initializer_range=0.3)))
 
 
 def test_engine_sparse_settings_are_checked(target, eagle):

@@ -14,7 +14,7 @@ Then, untimed and greedy, the drafter runs once more with the whole configured t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +50,7 @@ class Timed:
     seconds: float
     target_forwards: int  # 0 for HF generate, whose forwards we do not see
     acceptance_by_depth: list[float]  # mean over prompts of the engine's per-depth acceptance
+    kv_saved: float = 0.0  # mean over prompts of the share of KV reads SpecAttn skipped
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,6 +70,7 @@ def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params:
     seconds = dict.fromkeys(methods, 0.0)
     forwards = dict.fromkeys(methods, 0)
     by_depth = {name: [] for name in methods}
+    kv_saved = {name: [] for name in methods}
     runs = {name: lambda ids, gen, run=run: run(ids, params, gen) for name, run in methods.items()}
     for name, elapsed, tokens, metrics in interleaved(runs, prompts, seed, repeats):
         seconds[name] += elapsed
@@ -76,8 +78,10 @@ def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params:
         if metrics is not None:
             forwards[name] += metrics.target_forwards
             by_depth[name].append(metrics.acceptance_by_depth)
+            kv_saved[name].append(metrics.kv_saved)
     return {name: Timed(outputs[name], sum(map(len, outputs[name])), seconds[name], forwards[name],
-                        mean_by_depth(by_depth[name])) for name in methods}
+                        mean_by_depth(by_depth[name]), sum(kv_saved[name]) / max(len(kv_saved[name]), 1))
+            for name in methods}
 
 
 def mean_by_depth(by_depth: list[list[float]]) -> list[float]:
@@ -87,7 +91,7 @@ def mean_by_depth(by_depth: list[list[float]]) -> list[float]:
     return [sum(a[d] for a in by_depth if len(a) > d) / sum(len(a) > d for a in by_depth) for d in range(depths)]
 
 
-def gate_reasons(metrics: dict, gate: GateCfg) -> list[str]:
+def gate_reasons(metrics: dict, gate: GateCfg, sparse: bool = False) -> list[str]:
     reasons = []
     if metrics["tau"] < gate.min_tau:
         reasons.append(f"tau {metrics['tau']:.3f} < gate.min_tau {gate.min_tau}")
@@ -96,7 +100,9 @@ def gate_reasons(metrics: dict, gate: GateCfg) -> list[str]:
                        f"{gate.min_speedup}")
     if gate.require_lossless and not metrics["lossless"]:
         reasons.append(f"greedy speculative output differs from autoregressive output on "
-                       f"{metrics['lossy_prompts']} prompt(s) (gate.require_lossless)")
+                       f"{metrics['lossy_prompts']} prompt(s) (gate.require_lossless)"
+                       + "; the bundle's SpecAttn sparse verification (specattn.json) is lossy by design: "
+                       "set gate.require_lossless=false to accept it" * sparse)
     return reasons
 
 
@@ -122,7 +128,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     stop_ids = generation_stop_ids(ctx.target_dir)
     engine_cfg = EngineConfig(max_seq_len=max_seq_len, **settings)
     drafter = build_drafter(bundle, target, max_seq_len)
-    engines = {"spec": Engine(target, drafter, engine_cfg), "ar": Engine(target, None, engine_cfg)}
+    ar_cfg = replace(engine_cfg, sparse=None)  # the baseline reads every key
+    engines = {"spec": Engine(target, drafter, engine_cfg), "ar": Engine(target, None, ar_cfg)}
 
     def ours(engine: Engine) -> Generate:
         def run(ids, params, gen):
@@ -154,6 +161,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed)["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": budget_dict(engines["spec"]), "timed": timed,
+            "sparse": None if engine_cfg.sparse is None else asdict(engine_cfg.sparse),
             "configured_tree": {"budget": budget_dict(full), "timed": configured_tree}}
 
 
@@ -183,6 +191,8 @@ def per_temperature(t: float, timed: dict[str, Timed], prompts: int) -> dict:
                     f"speedup_{peer}": spec.tokens_per_s / timed[peer].tokens_per_s}
     if t == 0.0:
         row["lossy_prompts"] = lossy_prompts(spec, ar)
+    if spec.kv_saved:
+        row["kv_saved"] = spec.kv_saved
     return row
 
 
@@ -202,6 +212,10 @@ def write_report_md(path: Path, report: dict) -> None:
         lines.append(f"| {r['temperature']:g} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_ar']:.1f} "
                      f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |" + extra)
     gate = report["gate"]
+    if report["sparse"] is not None:
+        lines += ["", f"SpecAttn sparse verification (top-p {report['sparse']['top_p']:g}, layer map in "
+                  f"`layer_map.json`): {100 * report['metrics']['kv_saved']:.1f}% of the KV reads skipped. It is lossy "
+                  "by design: the speculative output is the sparse target's."]
     lines += ["", f"Greedy lossless: {'yes' if report['metrics']['lossless'] else 'NO'}", "",
               f"With the configured tree ({budget_label(full['budget'])}), greedy, untimed: tau {full['tau']:.2f}, "
               f"lossless {'yes' if not full['lossy_prompts'] else 'NO'}. This is the drafter's reach; the calibrated "
@@ -264,11 +278,15 @@ def run_validate(ctx: StageContext) -> StageResult:
                   "lossy_prompts": lossy_prompts(full["timed"], measured["timed"][0.0]["ar"])}
     metrics = {k: min(r[k] for r in rows) for k in HEADLINE + PEER_HEADLINE if k in rows[0]}
     metrics |= {"lossless": lossy == 0, "lossy_prompts": lossy, "tau_configured": configured["tau"]}
-    reasons = gate_reasons(metrics, v.gate)
+    sparse = measured["sparse"]
+    if sparse is not None:
+        metrics["kv_saved"] = min(r.get("kv_saved", 0.0) for r in rows)
+    reasons = gate_reasons(metrics, v.gate, sparse is not None)
     report = {"metrics": metrics, "gate": {"passed": not reasons, "reasons": reasons, **v.gate.model_dump()},
               "temperatures": rows, "drafter_kind": measured["kind"], "prompts": len(prompts),
               "max_new_tokens": v.max_new_tokens, "repeats": v.repeats, "dtype": measured["dtype"],
-              "device": measured["device"], "budget": measured["budget"], "configured_tree": configured,
+              "device": measured["device"], "budget": measured["budget"], "sparse": sparse,
+              "configured_tree": configured,
               "validation_digest": digest_json({"prompt_ids": prompts, "temperatures": temperatures,
                                                 "max_new_tokens": v.max_new_tokens})}
     write_json_atomic(ctx.out / REPORT_JSON, report)
@@ -280,6 +298,8 @@ def run_validate(ctx: StageContext) -> StageResult:
                f"({budget_label(configured['budget'])})")
     summary += "".join(f", {metrics[f'speedup_{peer}']:.2f}x over {label}" for peer, label in PEERS.items()
                        if f"speedup_{peer}" in metrics)
+    if sparse is not None:
+        summary += f"; SpecAttn top-p {sparse['top_p']:g} skipped {100 * metrics['kv_saved']:.1f}% of KV reads"
     return StageResult(status="completed" if not reasons else "gate_failed",
                        outputs={"report": REPORT_JSON, "report_md": REPORT_MD, "prompts": PROMPTS_JSONL,
                                 "plots": [ACCEPTANCE_PNG, SPEEDUP_PNG]},

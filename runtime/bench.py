@@ -91,7 +91,7 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
     methods: dict[str, Method] = {
         "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stops, gen), None),
-        "ours_ar": engine_method(Engine(target, None, cfg), max_new_tokens, params, stops)}
+        "ours_ar": engine_method(Engine(target, None, replace(cfg, sparse=None)), max_new_tokens, params, stops)}
     drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
     if drafter is not None:
         methods["ours_spec"] = engine_method(Engine(target, drafter(), cfg), max_new_tokens, params, stops)

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.attention import SpecAttnConfig
 from runtime.drafter import DraftBudget
 from runtime.files import sha256_file
 
@@ -18,6 +19,7 @@ KV_QUANT = "kv_quant.json"  # calibrate's KV-cache scheme (QuantSpec); absent or
 NO_KV_QUANT = "none"
 DRAFT_BUDGET = "draft_budget.json"  # calibrate's measured draft tree budget; absent: the one the caller configured
 LOOKUP_CORPUS = "lookup_corpus.safetensors"  # the lookup branch's corpus (runtime.ngram.save_corpus); optional
+SPECATTN = "specattn.json"  # calibrate's SpecAttn settings; absent or top_p 1.0 (every key): dense verification
 
 
 class BundleError(ValueError):
@@ -49,12 +51,19 @@ class Bundle:
         """EngineConfig fields for the calibrated KV-cache quantisation: {} when the bundle has none."""
         return kv_engine_fields(json.loads(self.path(KV_QUANT).read_text())) if self.has(KV_QUANT) else {}
 
+    def sparse_settings(self) -> dict:
+        """EngineConfig fields for calibrate's SpecAttn sparse verification: {} where it chose dense (top_p 1.0)."""
+        if not self.has(SPECATTN):
+            return {}
+        sparse = SpecAttnConfig.from_json(self.path(SPECATTN).read_text())
+        return {"sparse": sparse} if sparse.top_p < 1.0 else {}
+
     def engine_settings(self, budget: DraftBudget, override: dict | None = None) -> dict:
-        """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme and draft budget
-        (whether the engine adapts it, and the n-gram lookup branch, with the bundle's corpus if it has one);
+        """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme, SpecAttn and draft
+        budget (whether the engine adapts it, and the n-gram lookup branch, with the bundle's corpus if it has one);
         `budget` and the engine's defaults when it has none. `override` (budget fields, as `pipeline bench --budget`
         gives them) replaces the calibrated budget."""
-        fields = {"budget": budget, **self.kv_settings()}
+        fields = {"budget": budget, **self.kv_settings(), **self.sparse_settings()}
         if self.has(DRAFT_BUDGET):
             chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
             fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),

@@ -109,6 +109,18 @@ def test_engine_settings_take_the_calibrated_budget(tmp_path):
     assert EngineConfig(**calibrated).budget.max_nodes == 4  # what validate and serving build their engines with
 
 
+def test_engine_settings_verify_sparsely_only_where_calibrate_chose_a_top_p_below_one(tmp_path):
+    from runtime.attention import SpecAttnConfig
+
+    for top_p in (0.7, 1.0):
+        (tmp_path / "specattn.json").write_text(SpecAttnConfig((-1, 0, 0), top_p, dense_first=1).to_json())
+        write_bundle(tmp_path / f"p{top_p}", {"kind": "eagle"}, None, target_fingerprint="fp", data_digest="dd",
+                     config={}, code_version="test", extra_files={"specattn.json": tmp_path / "specattn.json"})
+    assert read_bundle(tmp_path / "p0.7").engine_settings(DraftBudget(3))["sparse"] == SpecAttnConfig(
+        (-1, 0, 0), 0.7, dense_first=1)
+    assert "sparse" not in read_bundle(tmp_path / "p1.0").engine_settings(DraftBudget(3))  # every key: dense
+
+
 def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_drafts_with_the_branch(tmp_path):
     from runtime.ngram import save_corpus
 

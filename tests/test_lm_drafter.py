@@ -17,8 +17,9 @@ from pipeline.export_stage import run_export
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext
-from pipeline.validate import REPORT_JSON, REPORT_MD, run_validate
-from runtime.bundle import LOOKUP_CORPUS, read_bundle
+from pipeline.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
+from runtime.attention import SpecAttnConfig
+from runtime.bundle import LOOKUP_CORPUS, SPECATTN, read_bundle
 from runtime.drafter import DraftBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.engine import Engine, EngineConfig
@@ -210,13 +211,17 @@ def test_lm_step_exports_to_onnx(target, tmp_path):
 # ---------------------------------------------------------------- distill -> export -> validate
 
 
-def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, target_dir, target, self_distilled):
-    cfg = Config.model_validate({
+def _lm_config(onnx: bool = False, **gate) -> Config:
+    return Config.model_validate({
         "drafter": {"kind": "lm", "lm_layers": 1, "draft_vocab": 64, "depth": 3, "width": 2, "nodes": 6},
         "distill": {"steps": 4, "batch_size": 4, "lr": 3e-3, "warmup": 1, "kd_loss": "tv"},
-        "export": {"onnx": True},
+        "export": {"onnx": onnx},
         "validate": {"num_prompts": 2, "max_new_tokens": 10, "temperatures": [0.0],
-                     "gate": {"min_tau": 1.0, "min_speedup": 0.0}}})
+                     "gate": {"min_tau": 1.0, "min_speedup": 0.0, **gate}}})
+
+
+def _distilled(tmp_path, cfg: Config, target_dir, self_distilled) -> tuple[RunStore, dict]:
+    """A run whose prepare wrote the self-distilled rows and whose distill trained `cfg`'s lm drafter on them."""
     store = RunStore(tmp_path / "runs", "r1")
 
     def prepare(ctx):
@@ -225,7 +230,12 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
         return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"})
 
     run_stage_on(store, "prepare", cfg, target_dir, prepare)
-    rec = run_stage_on(store, "distill", cfg, target_dir, run_distill)
+    return store, run_stage_on(store, "distill", cfg, target_dir, run_distill)
+
+
+def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, target_dir, target, self_distilled):
+    cfg = _lm_config(onnx=True)
+    store, rec = _distilled(tmp_path, cfg, target_dir, self_distilled)
     assert rec["metrics"]["tau"] >= 1.0 and rec["message"].startswith("lm: tau")
     assert rec["metrics"]["tau_lookup"] >= 1.0 and "with the lookup branch" in rec["message"]
     config = json.loads((store.stage_dir("distill") / "drafter_config.json").read_text())
@@ -261,3 +271,29 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
     assert report["metrics"]["speedup_hf_lookup"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_lookup"])
     md = (store.stage_dir("validate") / REPORT_MD).read_text()
     assert "HF assisted" in md and "HF prompt lookup" in md and "HF prompt lookup" in rec["message"]
+
+
+def test_a_bundle_with_sparse_verification_is_served_sparse_and_reported_lossy_by_design(tmp_path, target_dir,
+                                                                                         self_distilled):
+    """Calibrate chose SpecAttn top-p 0.5: validate runs the speculative engine sparse and the AR baseline dense,
+    reports the KV reads skipped, and where the gate asks for losslessness says why it may fail."""
+    cfg = _lm_config(require_lossless=False)
+    store, _ = _distilled(tmp_path, cfg, target_dir, self_distilled)
+    sparse = SpecAttnConfig((-1, 0), top_p=0.5, dense_first=1, sink=1, recent=2)
+
+    def calibrate(ctx):
+        (ctx.out / SPECATTN).write_text(sparse.to_json())
+        return StageResult(outputs={"specattn": SPECATTN})
+
+    run_stage_on(store, "calibrate", cfg, target_dir, calibrate)
+    run_stage_on(store, "export", cfg, target_dir, run_export)
+    bundle = read_bundle(store.stage_dir("export") / "bundle", target_fingerprint(target_dir))
+    assert bundle.engine_settings(DraftBudget(3))["sparse"] == sparse
+    rec = run_stage_on(store, "validate", cfg, target_dir, run_validate)
+    report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
+    assert report["sparse"]["top_p"] == 0.5 and 0 < report["metrics"]["kv_saved"] < 1
+    assert rec["status"] == "completed" and "SpecAttn top-p 0.5 skipped" in rec["message"]
+    assert "SpecAttn sparse verification (top-p 0.5" in (store.stage_dir("validate") / REPORT_MD).read_text()
+    lossy = {**report["metrics"], "lossless": False, "lossy_prompts": 1}
+    assert "lossy by design" in gate_reasons(lossy, _lm_config().validate.gate, sparse=True)[0]
+    assert "lossy by design" not in gate_reasons(lossy, _lm_config().validate.gate)[0]

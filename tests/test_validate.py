@@ -177,7 +177,7 @@ def test_methods_are_timed_back_to_back_on_each_prompt():
     calls = []
 
     class Metrics:
-        target_forwards, acceptance_by_depth = 2, [0.5]
+        target_forwards, acceptance_by_depth, kv_saved = 2, [0.5], 0.0
 
     def method(name, n_tokens):
         def run(ids, params, gen):

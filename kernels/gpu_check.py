@@ -101,7 +101,8 @@ def check_all(device: str = "cuda", seed: int = 0) -> list[dict]:
             for p in (0.5, 0.9, 0.99):
                 add(f"topp_mask p={p}", dtype, shape, lambda t: topp.topp_mask_torch(t, p),
                     lambda t: topp.topp_mask_triton(t, p), (w,))
-    # SpecAttn sparse verification: a 16-token verify over S keys, each kv head keeping `share` of the prefix.
+    # SpecAttn sparse verification: a 16-token verify over S keys, each kv head keeping `share` of the prefix, its
+    # kept list split between default_splits(S) programs (the name's /N) and in one.
     # Not bit-exact (another summation order): max|err| is the measure. The torch column is SDPA over the same
     # allowed keys, masked, which is what the sdpa backend runs (and reads every key for).
     for dtype in (torch.float32, torch.bfloat16):
@@ -114,8 +115,9 @@ def check_all(device: str = "cuda", seed: int = 0) -> list[dict]:
                 mask[..., S - T:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
                 keep = torch.rand(1, Hkv, 1, S, generator=g, device=device) < share
                 keep[..., S - T:] = True  # the tokens being verified
-                add(f"sparse_attn H{H}/{Hkv} keep {share}", dtype, (H, T, D, S), _efficient_sdpa,
-                    sa.sparse_attention_triton, (q, keys, values, mask, keep))
+                for splits in dict.fromkeys((sa.default_splits(S), 1)):  # the kept list shared, and not
+                    add(f"sparse_attn H{H}/{Hkv} keep {share} /{splits}", dtype, (H, T, D, S), _efficient_sdpa,
+                        lambda *a, n=splits: sa.sparse_attention_triton(*a, splits=n), (q, keys, values, mask, keep))
     return rows
 
 
@@ -130,12 +132,12 @@ def _efficient_sdpa(*args):
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'kernel':<28}{'dtype':<10}{'shape':<16}{'exact':<7}{'max|err|':>10}{'mism%':>8}" \
+    head = f"{'kernel':<31}{'dtype':<10}{'shape':<16}{'exact':<7}{'max|err|':>10}{'mism%':>8}" \
            f"{'torch ms':>10}{'triton ms':>11}{'x':>7}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['kernel']:<28}{r['dtype']:<10}{r['shape']:<16}{'yes' if r['exact'] else 'NO':<7}"
+        print(f"{r['kernel']:<31}{r['dtype']:<10}{r['shape']:<16}{'yes' if r['exact'] else 'NO':<7}"
               f"{r['max_abs_err']:>10.3g}{100 * r['mismatch_share']:>8.3f}{r['torch_ms']:>10.4f}"
               f"{r['triton_ms']:>11.4f}{r['speedup']:>7.1f}  {r.get('mismatches', '')} {r.get('part_max_abs_err', '')}")
 

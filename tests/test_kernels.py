@@ -169,21 +169,21 @@ def test_kv_quant_triton_matches_torch_bit_for_bit_in_the_interpreter():
 
 def check_sparse_attention_triton_matches_torch() -> None:
     g = torch.Generator().manual_seed(0)
-    # (B, H, Hkv, T, S, D, keep rows): SmolLM2's 9 over 3 heads, a tree verify, a batch of 2 with one kept set
-    # per query, a decode without grouping, a head dim that is no power of two
-    for B, H, Hkv, T, S, D, R in [(1, 9, 3, 6, 70, 64, 1), (2, 4, 2, 5, 40, 24, 5), (1, 4, 4, 1, 33, 16, 1)]:
+    # (B, H, Hkv, T, S, D, keep rows): SmolLM2's 9 over 3 heads, a tree verify, ~80 kept keys (3 blocks of 32);
+    # a batch of 2 with one kept set per query, a decode without grouping, a head dim that is no power of two
+    for B, H, Hkv, T, S, D, R in [(1, 9, 3, 6, 200, 64, 1), (2, 4, 2, 5, 40, 24, 5), (1, 4, 4, 1, 33, 16, 1)]:
         q = torch.randn(B, H, T, D, generator=g)
         keys, values = (torch.randn(B, Hkv, S + 7, D, generator=g)[:, :, :S] for _ in range(2))  # cache slices
         mask = torch.rand(B, 1, T, S, generator=g) > 0.3
         keep = torch.rand(B, Hkv, R, S, generator=g) > 0.6
         mask[..., -1] = keep[..., -1] = True  # every query sees a key
-        for m in (mask, None):
+        unread = ~keep.any(2, keepdim=True).transpose(2, 3)
+        poisoned = [x.masked_fill(unread, float("nan")) for x in (keys, values)]
+        for m, splits in ((mask, 1), (mask, 3), (None, 1), (None, 4)):  # the kept list in one program or shared
             ref = sa.sparse_attention_torch(q, keys, values, m, keep)
-            torch.testing.assert_close(sa.sparse_attention_triton(q, keys, values, m, keep), ref)
+            torch.testing.assert_close(sa.sparse_attention_triton(q, keys, values, m, keep, splits=splits), ref)
             # it reads no key or value it does not keep: poisoned, they leave the output as it was
-            unread = ~keep.any(2, keepdim=True).transpose(2, 3)
-            poisoned = [x.masked_fill(unread, float("nan")) for x in (keys, values)]
-            torch.testing.assert_close(sa.sparse_attention_triton(q, *poisoned, m, keep), ref)
+            torch.testing.assert_close(sa.sparse_attention_triton(q, *poisoned, m, keep, splits=splits), ref)
         every = torch.ones_like(keep)
         dense = torch.nn.functional.scaled_dot_product_attention(
             q, keys.repeat_interleave(H // Hkv, 1), values.repeat_interleave(H // Hkv, 1), attn_mask=mask)

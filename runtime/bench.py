@@ -138,18 +138,13 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
     if drafter is None:
         return notes
     static, why = static_verify_config(cfg)
-    if static is None:
-        return notes + [f"ours_spec_graph left out: {why}"]
     methods["ours_spec_graph"] = engine_method(Engine(target, drafter(), static), max_new_tokens, params, stops)
     return notes + ([why] if why else [])
 
 
-def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig | None, str]:
+def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
     """The engine config of the `ours_spec_graph` row, and a note: a quantised KV cache has no static step, so that
-    row runs full-precision KV (as ours_ar_graph always does) and its tokens are compared with ours_ar_graph's;
-    SpecAttn's sparse verification has no static step either, and then there is no row (None)."""
-    if cfg.sparse is not None:
-        return None, "SpecAttn sparse verification has no static (CUDA-graph) step"
+    row runs full-precision KV (as ours_ar_graph always does) and its tokens are compared with ours_ar_graph's."""
     if cfg.kv_scheme is None:
         return replace(cfg, static_verify=True), ""
     return (replace(cfg, kv_scheme=None, static_verify=True),

@@ -14,7 +14,8 @@ Scope: greedy decoding, batch 1, no sliding window, no SpecAttn / quantised KV. 
 needs no GPU.
 
 `StaticVerifier` does the same for the Engine's verify forward (root + draft tree), any sampling: tree sizes are
-bucketed to static shapes, one graph per bucket.
+bucketed to static shapes, one graph per bucket; SpecAttn's sparse verification included (kept keys as a static
+input, listed inside the graph by the attention backend).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import sdpa_kernels
+from runtime.attention import SpecAttnConfig, sdpa_kernels
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer, apply_rope, attention_mask
 
@@ -172,7 +173,8 @@ def bucket_for(size: int, buckets) -> int | None:
 class _Bucket:
     """Static inputs of one verify size, and the outputs its graph (or eager step) last wrote."""
 
-    def __init__(self, size: int, device: torch.device):
+    def __init__(self, size: int, device: torch.device, sparse: bool = False):
+        self.sparse = sparse  # whether its step reads SpecAttn's kept keys
         self.tokens = torch.zeros(1, size, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, size, dtype=torch.long, device=device)
         self.padded = torch.eye(size, dtype=torch.bool, device=device)  # padding rows see the prefix and themselves
@@ -194,24 +196,42 @@ class StaticVerifier:
     commits (it compacts the accepted rows) and every later forward overwrites before it reads them. Sizes beyond
     the largest bucket, or a bucket that would overrun the cache, run the ordinary eager forward.
 
+    With `sparse` (SpecAttn) a call may bring `keep` [Ld, Hkv, 1, max_len], the draft layers' kept keys over the
+    whole static cache. It is copied into a static buffer, and the step narrows it to the live keys and this step's
+    before the layers read it, so a backend that skips unkept keys (triton_sparse) reads no slot beyond them.
+
     The outputs are views of static buffers, valid until the next call; the Engine reads them within its step.
     Off CUDA (`use_graph=False`) the same static step runs eagerly: that is what the CPU tests check."""
 
     def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS,
-                 use_graph: bool = True, warmup: int = 2):
+                 use_graph: bool = True, warmup: int = 2, sparse: SpecAttnConfig | None = None):
         require_cuda(model.device, use_graph)
         check_static_inputs("StaticVerifier", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
-        self.buckets = {size: _Bucket(size, model.device) for size in sorted(set(buckets))}
+        self.sizes = tuple(sorted(set(buckets)))
+        self.buckets: dict[tuple[int, bool], _Bucket] = {}  # (size, sparse): a sparse step is another graph
         self.offsets = torch.arange(max(buckets), device=model.device)
+        self.sparse, self.keep = sparse, None  # the static copy of a call's `keep`, allocated on first use
+        self.key_slot = torch.arange(cache.max_len, device=model.device)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         T = tokens.shape[1]
-        size = bucket_for(T, self.buckets)
+        size = bucket_for(T, self.sizes)
+        if keep is not None and (self.sparse is None or keep.shape[-1] != self.cache.max_len):
+            raise ValueError(f"StaticVerifier: keep {tuple(keep.shape)} needs sparse settings and one entry per "
+                             f"slot of the static cache ({self.cache.max_len})")
         if size is None or int(self.cache.lengths[0]) + size > self.cache.max_len:
-            return self.model(tokens, self.cache, positions, tree_mask)
-        b = self.buckets[size]
+            n_live = int(self.cache.lengths[0]) + T
+            layers = None if keep is None else self.sparse.layer_keep(keep[..., :n_live])
+            return self.model(tokens, self.cache, positions, tree_mask, kv_keep=layers)
+        if keep is not None:
+            if self.keep is None:
+                self.keep = torch.empty_like(keep)
+            self.keep.copy_(keep)
+        b = self.buckets.get((size, keep is not None))
+        if b is None:
+            b = self.buckets[(size, keep is not None)] = _Bucket(size, self.model.device, keep is not None)
         b.tokens[:, :T] = tokens
         b.positions[:, :T] = positions
         b.positions[:, T:] = positions[:, :1]  # any valid position: padding rows are never read
@@ -230,5 +250,8 @@ class StaticVerifier:
         slots = cache.lengths[:, None] + self.offsets[:size]
         mask = attention_mask(cache.lengths, b.positions, cache.max_len, b.tree, m.config.sliding_window,
                               always=True)
-        out = m.run_placed(b.tokens, cache, b.positions, slots, cache.max_len, mask)
+        kv_keep = None
+        if b.sparse:  # new views every step: a backend lists their keys inside the graph, not from a stale call
+            kv_keep = self.sparse.layer_keep(self.keep & (self.key_slot < cache.lengths[0] + size))
+        out = m.run_placed(b.tokens, cache, b.positions, slots, cache.max_len, mask, kv_keep=kv_keep)
         return out.logits, out.hidden

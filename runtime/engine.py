@@ -46,7 +46,7 @@ class EngineConfig:
     kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
     # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.cuda_graphs.StaticVerifier;
     # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy chains
-    # likewise (runtime.static_draft). Dense, full-precision KV only.
+    # likewise (runtime.static_draft; not while SpecAttn needs its attention). Full-precision KV only.
     static_verify: bool = False
     # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.ngram) are
     # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
@@ -81,9 +81,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig: {name}={v!r}, expected an int >= 0 (0 = off)")
-        if self.static_verify and (self.sparse is not None or self.kv_scheme is not None):
-            raise ValueError("EngineConfig: static_verify needs dense verification and a full-precision KV cache "
-                             f"(got sparse={self.sparse is not None}, kv_scheme={self.kv_scheme!r})")
+        if self.static_verify and self.kv_scheme is not None:
+            raise ValueError(f"EngineConfig: static_verify needs a full-precision KV cache, got kv_scheme="
+                             f"{self.kv_scheme!r}")
 
     @property
     def kv_quant(self) -> KVQuant | None:
@@ -148,7 +148,8 @@ class Engine:
             if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
         self.static = None
         if cfg.static_verify:
-            self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda")
+            self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda",
+                                         sparse=cfg.sparse)
             if drafter is not None:
                 drafter.use_static(use_graph=target.device.type == "cuda")
 
@@ -198,13 +199,17 @@ class Engine:
             length = cache.lengths[0]
             tokens = torch.cat([torch.tensor([root], device=device), tree.tokens])[None]
             positions = length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths()])[None]
-            keep = self._sparse_keep(tokens.shape[1]) if cfg.sparse is not None and len(tree) else None
+            n_live = int(length) + tokens.shape[1]
+            # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
+            keep = self._kept_keys(cache.max_len if self.static is not None else n_live) \
+                if cfg.sparse is not None and len(tree) else None
             tree_mask = tree.ancestor_mask() if len(tree) else None
             if self.static is not None:
-                logits, hidden = self.static(tokens, positions, tree_mask)
+                logits, hidden = self.static(tokens, positions, tree_mask, keep)
             else:
-                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=keep)
-            stats.count_reads(keep, int(length) + tokens.shape[1], target.config.n_layers, target.config.n_kv_heads)
+                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=self._layer_keep(keep))
+            stats.count_reads(self._layer_keep(keep if keep is None else keep[..., :n_live]), n_live,
+                              target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             stats.verify_s += clock.lap()
 
@@ -229,18 +234,22 @@ class Engine:
         out = out[: max_new_tokens if first_stop is None else min(first_stop + 1, max_new_tokens)]
         return Generation(out, stats.metrics(n, len(out), prefill_s, clock.total()))
 
-    def _sparse_keep(self, n_new: int) -> list[torch.Tensor | None] | None:
-        """Per target layer, the keys [1, Hkv, 1, prefix + n_new] this verify reads (SpecAttn); None: all dense."""
+    def _kept_keys(self, n_keys: int) -> torch.Tensor:
+        """Per draft layer, the keys [Ld, Hkv, 1, n_keys] this verify reads (SpecAttn): keys at or beyond the
+        committed prefix (this verify's own) are all kept."""
         sparse, prefix = self.cfg.sparse, int(self.cache.lengths[0])
         attention = self.drafter.draft_attention()
         if attention is None or attention.shape[-1] != prefix:
             got = None if attention is None else tuple(attention.shape)
             raise ValueError(f"sparse verification needs the drafter's attention over the {prefix} committed keys; "
                              f"{type(self.drafter).__name__}.draft_attention() gave {got}")
-        keep = kept_keys(attention[:, :, None], torch.tensor([prefix], device=attention.device), prefix + n_new,
+        return kept_keys(attention[:, :, None], torch.tensor([prefix], device=attention.device), n_keys,
                          self.target.config.n_kv_heads, sparse.top_p, sparse.sink, sparse.recent)
-        layers = sparse.layer_keep(keep)
-        return None if all(k is None for k in layers) else layers
+
+    def _layer_keep(self, keep: torch.Tensor | None) -> list[torch.Tensor | None] | None:
+        """Per target layer, the keys [1, Hkv, 1, S] it reads; None: every layer dense."""
+        layers = None if keep is None else self.cfg.sparse.layer_keep(keep)
+        return None if layers is None or all(k is None for k in layers) else layers
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return hidden if self.drafter is not None and self.drafter.needs_features else None

@@ -84,18 +84,18 @@ def test_engine_with_static_verify_is_lossless(smollm2_shape):
         assert got.metrics.tau == ref.metrics.tau > 1.0
 
 
-def test_static_verify_needs_a_dense_full_precision_cache():
-    with pytest.raises(ValueError, match="static_verify needs dense verification"):
+def test_static_verify_needs_a_full_precision_cache():
+    with pytest.raises(ValueError, match="static_verify needs a full-precision KV cache"):
         EngineConfig(static_verify=True, kv_scheme="int8")
 
 
-def test_graph_rows_run_a_quantised_kv_bundle_in_full_precision_and_leave_sparse_out():
+def test_graph_rows_run_a_quantised_kv_bundle_in_full_precision_and_keep_sparse_verification():
     static, note = static_verify_config(EngineConfig(kv_scheme="int8", kv_recent=32, lookup=4))
     assert static.static_verify and static.kv_scheme is None and static.lookup == 4
     assert "int8" in note and "ours_ar_graph" in note
     assert static_verify_config(EngineConfig()) == (EngineConfig(static_verify=True), "")
-    static, note = static_verify_config(EngineConfig(sparse=SpecAttnConfig(layer_map=(0,), top_p=0.9)))
-    assert static is None and "sparse" in note
+    sparse = SpecAttnConfig(layer_map=(0,), top_p=0.9)
+    assert static_verify_config(EngineConfig(sparse=sparse)) == (EngineConfig(sparse=sparse, static_verify=True), "")
 
 
 @pytest.mark.slow

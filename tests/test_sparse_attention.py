@@ -2,6 +2,7 @@
 key sets, the EAGLE and lm draft attention's alignment, and the engine verifying sparsely (through sdpa's masks and
 the Triton kernel that reads only the kept keys)."""
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -214,7 +215,15 @@ def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
     calls, listings = [], []
     kernel, listing = runtime.attention.sparse_attention_triton, runtime.attention.kept_positions
     runtime.attention.sparse_attention_triton = lambda *args: calls.append(1) or kernel(*args)
-    runtime.attention.kept_positions = lambda keep: listings.append(1) or listing(keep)
+    listed = []  # (keys the keep mask spans, the most any kv head keeps)
+
+    def listing_spy(keep):
+        listings.append(1)
+        positions, counts = listing(keep)
+        listed.append((keep.shape[-1], int(counts.max())))
+        return positions, counts
+
+    runtime.attention.kept_positions = listing_spy
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     config = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3, width=2, nodes=5),
                           sparse=SpecAttnConfig((-1, -1, 0, 0), top_p=0.5, sink=1, recent=2))
@@ -224,8 +233,14 @@ def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
         os.environ[BACKEND_ENV] = name
         outs[name] = Engine(target, drafter, config).generate(prompt, 16, SamplingParams())
     assert calls and len(calls) == 2 * len(listings)  # two sparse layers a verify share one listing of the keys
-    assert outs["triton_sparse"].tokens == outs["sdpa"].tokens
-    assert outs["triton_sparse"].metrics.kv_saved == outs["sdpa"].metrics.kv_saved > 0
+    # the static step too, as a CUDA graph captures it: kept keys over the whole static cache, narrowed in the step
+    listed.clear()
+    outs["static"] = Engine(target, drafter, replace(config, static_verify=True)).generate(prompt, 16, SamplingParams())
+    # it lists only live keys and the step's: at most 40 + 16 + a bucket of 8 of the static cache's 128
+    assert listed and all(span == 128 and kept <= 64 for span, kept in listed)
+    for name in ("triton_sparse", "static"):
+        assert outs[name].tokens == outs["sdpa"].tokens
+        assert outs[name].metrics.kv_saved == outs["sdpa"].metrics.kv_saved > 0
 
 
 def test_engine_verifies_through_the_triton_sparse_kernel_as_through_sdpa(tiny_model_dir):
@@ -234,6 +249,18 @@ def test_engine_verifies_through_the_triton_sparse_kernel_as_through_sdpa(tiny_m
         pick_backend(torch.device("cpu"), "triton_sparse")  # outside the interpreter: CUDA only
     run_in_triton_interpreter(check_triton_sparse_verifies_as_sdpa,
                               str(tiny_model_dir("llama", num_hidden_layers=N_LAYERS, initializer_range=0.3)))
+
+
+def test_engine_static_sparse_verification_is_the_eager_one(target, eagle):
+    """The static (CUDA-graph) verify step with SpecAttn, run eagerly on the CPU: the eager sparse verify's tokens,
+    acceptance and KV reads, with the kept keys over the whole static cache narrowed to the live ones."""
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    sparse = SpecAttnConfig((-1, -1, 0, 0), top_p=0.5, sink=1, recent=2)
+    runs = [Engine(target, EagleDrafter(eagle, 128), EngineConfig(
+        max_seq_len=128, budget=DraftBudget(depth=3, width=2, nodes=5), sparse=sparse, static_verify=static)
+                   ).generate(prompt, 16, SamplingParams()) for static in (False, True)]
+    assert runs[1].tokens == runs[0].tokens and runs[1].metrics.tau == runs[0].metrics.tau
+    assert runs[1].metrics.kv_saved == runs[0].metrics.kv_saved > 0
 
 
 def test_engine_sparse_settings_are_checked(target, eagle):

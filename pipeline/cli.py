@@ -187,6 +187,10 @@ def cmd_bench(args) -> int:
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
         fields = bundle.engine_settings(default, chosen)  # as serving runs it, unless --budget
+        if args.specattn_top_p is not None:
+            fields = {k: v for k, v in fields.items() if k != "sparse"} | bundle.sparse_settings(args.specattn_top_p)
+    elif args.specattn_top_p is not None:
+        raise DraftsmithError("--specattn-top-p needs a bundle (--drafter DIR) with a SpecAttn layer map")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
@@ -239,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft budget instead of the bundle's calibrated one (default for ngram and uncalibrated "
                         "bundles: a depth-5 chain): depth x width, at most N nodes, L lookup nodes, a verify of at "
                         "most T nodes; e.g. 2x3/6+8@5")
+    b.add_argument("--specattn-top-p", type=float, metavar="P",
+                   help="verify sparsely (SpecAttn) with the bundle's layer map at this draft top-p instead of the "
+                        "calibrated one (1.0: dense); lossy by design")
     b.add_argument("--out", default="bench.json")
     add_random_weights_arguments(b)
     b.set_defaults(fn=cmd_bench)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from runtime.attention import pick_backend
 from runtime.device import synchronizer
 from runtime.drafter import DraftBudget, Drafter
 from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
@@ -108,7 +109,9 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature, "device": device_name(),
         "torch_threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_token": weight_bytes_per_token(target), "floor_ms_per_token": floor_ms,
-        "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results, "notes": notes}
+        "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results, "notes": notes,
+        "attention_backend": pick_backend(target.device).name,
+        "specattn": None if cfg.sparse is None else asdict(cfg.sparse)}
     if print_table:
         print_report(report)
     return report
@@ -186,7 +189,7 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
     for run in methods.values():  # warm-up: allocator, kernels, caches
         run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
     totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0, "draft_s": 0.0, "verify_s": 0.0,
-                     "rollback_s": 0.0} for name in methods}
+                     "rollback_s": 0.0, "kv_saved": []} for name in methods}
     outputs = {} if outputs is None else outputs
     outputs.update({name: [] for name in methods})
     for name, seconds, tokens, out in interleaved(methods, prompt_ids, seed):
@@ -199,6 +202,7 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
             t["forwards"] += out.metrics.target_forwards
             for phase in ("draft_s", "verify_s", "rollback_s"):
                 t[phase] += getattr(out.metrics, phase)
+            t["kv_saved"].append(out.metrics.kv_saved)
 
     results = {}
     for name, t in totals.items():
@@ -209,6 +213,8 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
             r["decode_ms_per_forward"] = 1e3 * t["decode_s"] / t["forwards"]
             for phase in ("draft", "verify", "rollback"):  # where a step's time goes (the rest: the engine's own)
                 r[f"{phase}_ms_per_forward"] = 1e3 * t[f"{phase}_s"] / t["forwards"]
+            if any(t["kv_saved"]):  # SpecAttn: the share of KV reads sparse verification skipped, mean over prompts
+                r["kv_saved"] = sum(t["kv_saved"]) / len(t["kv_saved"])
     for name, r in results.items():
         r["speedup_vs_hf"] = r["tokens_per_s"] / results["hf_generate"]["tokens_per_s"]
         r["speedup_vs_ours_ar"] = r["tokens_per_s"] / results["ours_ar"]["tokens_per_s"]
@@ -292,5 +298,9 @@ def print_report(report: dict) -> None:
                   f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s; floor "
                   f"{report['floor_ms_per_token']:.1f} ms/token ({report['weight_bytes_per_token'] / 1e6:.0f} MB); "
                   f"our AR decode at {100 * report['ours_ar_fraction_of_floor']:.0f}% of the floor")
+    if report.get("specattn"):
+        saved = {name: f"{100 * r['kv_saved']:.0f}%" for name, r in report["methods"].items() if "kv_saved" in r}
+        console.print(f"SpecAttn sparse verification at draft top-p {report['specattn']['top_p']:g} (lossy by "
+                      f"design), attention backend {report['attention_backend']}; KV reads skipped: {saved}")
     for note in report.get("notes", []):
         console.print(f"note: {note}")

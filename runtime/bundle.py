@@ -4,7 +4,7 @@ before anything is loaded. Bundles hold safetensors and JSON only (no pickle).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.attention import SpecAttnConfig
@@ -51,11 +51,20 @@ class Bundle:
         """EngineConfig fields for the calibrated KV-cache quantisation: {} when the bundle has none."""
         return kv_engine_fields(json.loads(self.path(KV_QUANT).read_text())) if self.has(KV_QUANT) else {}
 
-    def sparse_settings(self) -> dict:
-        """EngineConfig fields for calibrate's SpecAttn sparse verification: {} where it chose dense (top_p 1.0)."""
+    def sparse_settings(self, top_p: float | None = None) -> dict:
+        """EngineConfig fields for calibrate's SpecAttn sparse verification: {} where it chose dense (top_p 1.0).
+        `top_p` replaces the calibrated one (`pipeline bench --specattn-top-p`)."""
         if not self.has(SPECATTN):
-            return {}
+            if top_p is None:
+                return {}
+            raise BundleError(f"bundle {self.dir}: no {SPECATTN}, so no SpecAttn layer map to verify sparsely with "
+                              f"(calibrate writes one for eagle and lm drafters; this one is {self.kind!r})")
         sparse = SpecAttnConfig.from_json(self.path(SPECATTN).read_text())
+        if top_p is not None:
+            try:
+                sparse = replace(sparse, top_p=top_p)
+            except ValueError as e:
+                raise BundleError(f"SpecAttn top-p {top_p!r}: {e}") from None
         return {"sparse": sparse} if sparse.top_p < 1.0 else {}
 
     def engine_settings(self, budget: DraftBudget, override: dict | None = None) -> dict:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
-# FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend.
+# FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend;
+# with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -15,6 +16,11 @@ python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-n
 if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
   python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
     ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --out "$OUT/real_bf16.json"
+  for backend in ${SPECATTN_TOP_P:+sdpa triton_sparse}; do
+    DRAFTSMITH_ATTENTION_BACKEND=$backend python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" \
+      --device cuda --dtype bfloat16 ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 \
+      --specattn-top-p "$SPECATTN_TOP_P" --out "$OUT/real_bf16_specattn_$backend.json"
+  done
 fi
 if [ -n "$FLASHINFER_WHEELS" ]; then
   echo "== flashinfer"

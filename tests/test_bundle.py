@@ -119,6 +119,16 @@ def test_engine_settings_verify_sparsely_only_where_calibrate_chose_a_top_p_belo
     assert read_bundle(tmp_path / "p0.7").engine_settings(DraftBudget(3))["sparse"] == SpecAttnConfig(
         (-1, 0, 0), 0.7, dense_first=1)
     assert "sparse" not in read_bundle(tmp_path / "p1.0").engine_settings(DraftBudget(3))  # every key: dense
+    # pipeline bench --specattn-top-p: the bundle's layer map at another top-p
+    assert read_bundle(tmp_path / "p1.0").sparse_settings(0.5)["sparse"] == SpecAttnConfig((-1, 0, 0), 0.5, 1)
+    assert read_bundle(tmp_path / "p0.7").sparse_settings(1.0) == {}
+    with pytest.raises(BundleError, match="SpecAttn top-p 0.0: .*expected a number in"):
+        read_bundle(tmp_path / "p0.7").sparse_settings(0.0)
+    write_bundle(tmp_path / "ngram", {"kind": "ngram"}, None, target_fingerprint="fp", data_digest="dd", config={},
+                 code_version="test")
+    assert read_bundle(tmp_path / "ngram").sparse_settings() == {}
+    with pytest.raises(BundleError, match="no specattn.json, so no SpecAttn layer map.*'ngram'"):
+        read_bundle(tmp_path / "ngram").sparse_settings(0.5)
 
 
 def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_drafts_with_the_branch(tmp_path):

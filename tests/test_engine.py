@@ -6,13 +6,16 @@ from collections import Counter
 import pytest
 import torch
 
+from runtime.attention import SpecAttnConfig
 from runtime.bench import copy_bandwidth, default_bench_prompts, run_bench, weight_bytes_per_token
 from runtime.drafter import DraftBudget, Drafter
+from runtime.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
+from train import recipes
 
 PROMPT = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9]
 
@@ -275,7 +278,15 @@ def test_bench_on_smollm2(smollm2_dir):
     assert methods["ours_ar"]["new_tokens"] == 12 and methods["ours_ar"]["tau"] == 1.0
     assert report["weight_bytes_per_token"] == 4 * 134_515_008  # SmolLM2-135M, tied table counted once
     assert 0 < report["ours_ar_fraction_of_floor"] and report["torch_threads"] >= 1
+    assert report["specattn"] is None and report["attention_backend"] == "sdpa"
     json.dumps(report)
+    # SpecAttn (as a sparse bundle or --specattn-top-p asks): the speculative rows verify sparsely, AR stays dense
+    sparse = SpecAttnConfig((-1, -1) + (0,) * 28, top_p=0.5)
+    report = run_bench(smollm2_dir, "eagle", default_bench_prompts()[:1], max_new_tokens=8, print_table=False,
+                       engine_fields={"budget": DraftBudget(3), "sparse": sparse},
+                       drafter_factory=lambda spec, t: EagleDrafter(recipes.build_eagle(t, None).eval(), t.max_seq_len))
+    assert report["specattn"]["top_p"] == 0.5 and 0 < report["methods"]["ours_spec"]["kv_saved"] < 1
+    assert "kv_saved" not in report["methods"]["ours_ar"] and report["methods"]["ours_ar"]["tau"] == 1.0
 
 
 def test_a_lookup_corpus_drafts_what_the_reply_has_not_said_yet_and_stays_lossless(smollm2_dir):

@@ -203,13 +203,13 @@ class Engine:
             # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
             keep = self._kept_keys(cache.max_len if self.static is not None else n_live) \
                 if cfg.sparse is not None and len(tree) else None
+            layers = self._layer_keep(keep if keep is None else keep[..., :n_live])  # per target layer, live keys
             tree_mask = tree.ancestor_mask() if len(tree) else None
             if self.static is not None:
                 logits, hidden = self.static(tokens, positions, tree_mask, keep)
             else:
-                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=self._layer_keep(keep))
-            stats.count_reads(self._layer_keep(keep if keep is None else keep[..., :n_live]), n_live,
-                              target.config.n_layers, target.config.n_kv_heads)
+                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers)
+            stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             stats.verify_s += clock.lap()
 

@@ -1,14 +1,22 @@
 """kernels/topp.py, kernels/kv_quant.py and kernels/sparse_attention.py: torch references against their
-definitions, Triton kernels (in Triton's CPU interpreter, fp32: the interpreter has no bf16) against the references."""
+definitions, Triton kernels (in Triton's CPU interpreter, fp32: the interpreter has no bf16) against the references,
+and every kernel compiled for a Hopper GPU (kernels/gpu_compile.py)."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from triton.runtime.jit import JITFunction
 
 import kernels.kv_quant as kvq
 import kernels.sparse_attention as sa
 import kernels.topp as topp
 from helpers import run_in_triton_interpreter
+from kernels import gpu_compile
 
 
 def softmax_rows(*shape: int, seed: int, sharpness: float = 3.0) -> torch.Tensor:
@@ -207,3 +215,23 @@ def test_kept_positions_list_each_heads_kept_keys_in_order():
     with pytest.raises(ValueError, match="do not fit"):
         sa.sparse_attention_triton(torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), None,
                                    torch.ones(1, 2, 3, 5, dtype=torch.bool))
+
+
+# ---- every kernel compiles for the GPU ------------------------------------------------------------------------
+
+def test_every_triton_kernel_compiles_for_hopper_as_its_wrapper_launches_it():
+    """The interpreter has no bf16 and never lowers to a GPU; compiling for sm_90 (ptxas included) does. A bf16
+    tl.dot of mixed operand dtypes, for one, passes the interpreter tests and fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    code = "import json; from kernels.gpu_compile import compile_all; print(json.dumps(compile_all()))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    compiled = json.loads(done.stdout.splitlines()[-1])
+    kernels = {name for module in (kvq, sa, topp) for name, f in vars(module).items() if isinstance(f, JITFunction)
+               and name.endswith("_kernel")}
+    assert {c["kernel"] for c in compiled} == kernels
+    assert all(0 <= c["shared_bytes"] <= gpu_compile.HOPPER_SHARED_BYTES for c in compiled)
+    sparse = [c["constexprs"] for c in compiled if c["kernel"] == "_sparse_attention_kernel"]
+    assert {(c["IEEE"], c["SPLITS"] > 1, c["PER_QUERY_KEEP"]) for c in sparse} == {
+        (ieee, split, per_query) for ieee in (True, False) for split, per_query in ((False, False), (True, False),
+                                                                                   (True, True))}

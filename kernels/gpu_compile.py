@@ -5,13 +5,18 @@ compiles: lowering to a GPU, the layouts of `tl.dot`, shared memory and ptxas ar
 runs on CPU tensors under a stand-in driver that reports a CUDA target, so Triton compiles the kernel it would
 launch -- the same specialisation, down to a cubin with the ptxas Triton ships -- and returns without launching.
 The outputs are left unwritten. What a GPU session would otherwise find first is found here: a kernel that does not
-compile, or one whose shared memory does not fit.
+compile, one whose shared memory does not fit, or one that spills registers to local memory (read from the cubin
+with the cuobjdump Triton ships).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -44,7 +49,8 @@ def compile_only(arch: int = HOPPER) -> Iterator[list[dict]]:
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)  # warmup: compile, do not launch
         constants = {k: v for k, v in kwargs.items() if k.isupper()}
-        compiled.append({"kernel": self.fn.__name__, "constexprs": constants, "shared_bytes": kernel.metadata.shared})
+        compiled.append({"kernel": self.fn.__name__, "constexprs": constants, "num_warps": kernel.metadata.num_warps,
+                         "shared_bytes": kernel.metadata.shared, **resource_usage(kernel.asm["cubin"])})
         return kernel
 
     previous = driver._active  # reset_active() would create the default driver, which needs a GPU
@@ -55,6 +61,21 @@ def compile_only(arch: int = HOPPER) -> Iterator[list[dict]]:
     finally:
         JITFunction.run = run
         driver._active = previous
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes (register spills) of a cubin's kernel, as the cuobjdump that ships with
+    Triton reads them."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(usage[1]), "stack_bytes": int(usage[2])}
 
 
 def compile_all(arch: int = HOPPER) -> list[dict]:
@@ -92,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     compiled = compile_all(args.arch)
     for c in compiled:
-        print(f"{c['kernel']:<28}{c['shared_bytes']:>8} B shared  {c['constexprs']}")
-    too_big = [c for c in compiled if c["shared_bytes"] > HOPPER_SHARED_BYTES]
-    print(f"{len(compiled)} kernels compiled for sm_{args.arch}; {len(too_big)} over {HOPPER_SHARED_BYTES} B shared")
-    return 1 if too_big else 0
+        print(f"{c['kernel']:<28}{c['shared_bytes']:>7} B shared {c['registers']:>4} regs {c['stack_bytes']:>5} B stack"
+              f"  {c['num_warps']} warps  {c['constexprs']}")
+    bad = [c for c in compiled if c["shared_bytes"] > HOPPER_SHARED_BYTES or c["stack_bytes"]]
+    print(f"{len(compiled)} kernels compiled for sm_{args.arch}; {len(bad)} over {HOPPER_SHARED_BYTES} B of shared "
+          "memory or spilling registers to the stack")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -129,7 +129,10 @@ def sparse_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         acc_part = torch.empty(splits, B * Hkv, G * T, D, device=q.device)
     mask_u8 = None if mask is None else mask.expand(B, 1, T, S).view(torch.uint8)
     keep_u8 = keep.view(torch.uint8)
-    block_m = max(16, min(64, triton.next_power_of_2(G * T)))
+    block_d = max(16, triton.next_power_of_2(D))
+    # no register spills on sm_90 (kernels/gpu_compile.py reads the cubins): fp32 dots at head dim 128 take 16 rows,
+    # and the larger tiles 8 warps
+    block_m = max(16, min(16 if q.dtype == torch.float32 and block_d >= 128 else 64, triton.next_power_of_2(G * T)))
     grid = (B * Hkv, triton.cdiv(G * T, block_m), splits)
     mask_arg = keep_u8 if mask_u8 is None else mask_u8  # a pointer is needed either way; unread without HAS_MASK
     _sparse_attention_kernel[grid](
@@ -139,7 +142,7 @@ def sparse_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         mask_arg.stride(0), mask_arg.stride(2), keep_u8.stride(0), keep_u8.stride(1), keep_u8.stride(2),
         Hkv, T, S, D, G, D ** -0.5,
         HAS_MASK=mask is not None, PER_QUERY_KEEP=keep.shape[2] > 1, IEEE=q.dtype == torch.float32,
-        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(D)))
+        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d, num_warps=8 if block_m * block_d >= 2048 else 4)
     if splits == 1:
         return out
     # combine the splits' softmax statistics; a split that saw no key has m = -inf and weighs 0

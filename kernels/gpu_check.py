@@ -122,12 +122,11 @@ def check_all(device: str = "cuda", seed: int = 0) -> list[dict]:
 
 
 def _efficient_sdpa(*args):
-    """The sparse reference under the SDPA kernels runtime.attention uses on CUDA (cuDNN plans every new shape)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """The sparse reference under the SDPA kernels the runtime uses on CUDA (cuDNN plans every new shape)."""
     from kernels import sparse_attention as sa
+    from kernels.sdpa import sdpa_kernels
 
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    with sdpa_kernels(args[0].device):
         return sa.sparse_attention_torch(*args)
 
 

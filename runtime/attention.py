@@ -17,7 +17,6 @@ kernels.topp), plus the first `sink` keys, the `recent` newest prefix keys and e
 from __future__ import annotations
 
 import abc
-import contextlib
 import importlib.util
 import json
 import math
@@ -28,8 +27,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.sdpa import sdpa_kernels
 from kernels.sparse_attention import kept_positions, sparse_attention_triton
 from kernels.topp import topp_mask
 
@@ -97,19 +96,6 @@ def exact_dtype(q: Tensor) -> torch.dtype:
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled():
         return torch.float64
     return q.dtype
-
-
-# SDPA kernels on CUDA. Not cuDNN (SDPA's first pick there): it builds an execution plan for every new shape, 5-12 ms
-# of host time on an H100 machine, and a decode's or a tree's key count is new at every step (measured: 85% of an
-# eager decode). Not flash either: it would take the maskless one-token decode and memory-efficient attention the
-# masked tree verify, and two kernels round bf16 differently, so greedy speculation would drift from plain decoding.
-CUDA_SDPA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_no_context = contextlib.nullcontext()
-
-
-def sdpa_kernels(device: torch.device):
-    """Context in which SDPA calls on `device` pick our kernels: CUDA_SDPA_KERNELS on CUDA, torch's choice elsewhere."""
-    return sdpa_kernel(CUDA_SDPA_KERNELS) if device.type == "cuda" else _no_context
 
 
 class SdpaBackend(AttentionBackend):

@@ -24,7 +24,8 @@ from typing import Callable, TypeVar
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import SpecAttnConfig, sdpa_kernels
+from kernels.sdpa import sdpa_kernels
+from runtime.attention import SpecAttnConfig
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer, apply_rope, attention_mask
 

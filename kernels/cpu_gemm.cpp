@@ -103,6 +103,11 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
 
 }  // namespace
 
+// a CPU kernel, not a composite one, so that a fake (shape-only) kernel can stand in for it under torch.compile
 TORCH_LIBRARY(draftsmith_cpu, m) {
-  m.def("small_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", small_linear);
+  m.def("small_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(draftsmith_cpu, CPU, m) {
+  m.impl("small_linear", small_linear);
 }

@@ -68,6 +68,9 @@ def available() -> bool:
         warnings.warn(f"kernels/cpu_gemm.cpp did not build ({type(e).__name__}: {str(e)[:200]}); "
                       "fp32 products keep the library kernel", stacklevel=2)
         return False
+    # its output's shape without running it, so torch.compile can trace a forward through it (compile_static)
+    torch.library.register_fake("draftsmith_cpu::small_linear")(
+        lambda x, panels, n, bias: x.new_empty(x.shape[0], n))
     return True
 
 

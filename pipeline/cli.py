@@ -194,7 +194,8 @@ def cmd_bench(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
-                       device=str(device), graphs=not args.no_graphs, engine_fields=fields, drafter_factory=factory)
+                       device=str(device), graphs=not args.no_graphs, engine_fields=fields, drafter_factory=factory,
+                       compiled=args.compile)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0

@@ -71,11 +71,11 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
               max_new_tokens: int = 128, temperature: float = 0.0, *, dtype: torch.dtype = torch.float32,
               device: str = "cpu", graphs: bool = True, engine_fields: dict | None = None,
               drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
-              seed: int = 0, print_table: bool = True) -> dict:
+              seed: int = 0, print_table: bool = True, compiled: bool = False) -> dict:
     """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine, the
     engines built with `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings; default: a
     depth-5 chain). A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a
-    CUDA device with `graphs`, also the CUDA-graph rows (graph_methods)."""
+    CUDA device with `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
@@ -96,8 +96,9 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
     if drafter is not None:
         methods["ours_spec"] = engine_method(Engine(target, drafter(), cfg), max_new_tokens, params, stops)
-    notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops) \
-        if graphs and target.device.type == "cuda" else []
+    with_graphs = graphs and target.device.type == "cuda"
+    notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops, compiled) if with_graphs \
+        else ["compiled rows left out: they are CUDA-graph rows (a CUDA device, graphs on)"] if compiled else []
 
     bandwidth = copy_bandwidth(device=device)
     results = measure(methods, prompt_ids, seed, compare_tokens=params.greedy)
@@ -126,23 +127,28 @@ def engine_method(engine: Engine, max_new_tokens: int, params: SamplingParams, s
 
 def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineConfig,
                   drafter: Callable[[], Drafter] | None, max_new_tokens: int, params: SamplingParams,
-                  stops: tuple[int, ...]) -> list[str]:
+                  stops: tuple[int, ...], compiled: bool = False) -> list[str]:
     """Add the CUDA-graph rows to `methods`: `ours_ar_graph` (greedy decode, the one-token step one graph replay;
     runtime.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every verify
-    size a graph: EngineConfig.static_verify). Returns notes on the rows: why one was left out or differs."""
+    size a graph: EngineConfig.static_verify). With `compiled`, both again as `..._compiled`, each step fused by
+    torch.compile before capture (EngineConfig.compile_static); they compile during measure's warm-up. Returns
+    notes on the rows: why one was left out or differs."""
     from runtime.cuda_graphs import GraphedGreedyDecoder
 
     notes = []
-    if params.greedy:
-        decoder = GraphedGreedyDecoder(target, cfg.max_seq_len)
-        methods["ours_ar_graph"] = lambda ids, gen: (decoder.generate(ids, max_new_tokens, stops), None)
-    else:
-        notes.append("ours_ar_graph left out: the graphed decoder is greedy only")
-    if drafter is None:
-        return notes
-    static, why = static_verify_config(cfg)
-    methods["ours_spec_graph"] = engine_method(Engine(target, drafter(), static), max_new_tokens, params, stops)
-    return notes + ([why] if why else [])
+    for suffix in ("", "_compiled") if compiled else ("",):
+        if params.greedy:
+            decoder = GraphedGreedyDecoder(target, cfg.max_seq_len, compile=bool(suffix))
+            methods["ours_ar_graph" + suffix] = \
+                lambda ids, gen, decoder=decoder: (decoder.generate(ids, max_new_tokens, stops), None)
+        elif not suffix:
+            notes.append("ours_ar_graph left out: the graphed decoder is greedy only")
+        if drafter is not None:
+            static, why = static_verify_config(cfg)
+            engine = Engine(target, drafter(), replace(static, compile_static=bool(suffix)))
+            methods["ours_spec_graph" + suffix] = engine_method(engine, max_new_tokens, params, stops)
+            notes += [why] if why and not suffix else []
+    return notes
 
 
 def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
@@ -220,9 +226,12 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
         r["speedup_vs_ours_ar"] = r["tokens_per_s"] / results["ours_ar"]["tokens_per_s"]
         # greedy output must not depend on the method; sampled output differs by construction
         r["same_tokens_as_ours_ar"] = outputs[name] == outputs["ours_ar"] if compare_tokens else None
-    if compare_tokens and {"ours_spec_graph", "ours_ar_graph"} <= results.keys():  # the graph rows' own pair
-        same = outputs["ours_spec_graph"] == outputs["ours_ar_graph"]
-        results["ours_spec_graph"]["same_tokens_as_ours_ar_graph"] = same
+    # the graph rows' own pairs: speculation against the graphed decode it runs beside, compiled against not
+    pairs = [("ours_spec_graph", "ours_ar_graph"), ("ours_spec_graph_compiled", "ours_ar_graph_compiled"),
+             ("ours_ar_graph_compiled", "ours_ar_graph")]
+    for row, reference in pairs if compare_tokens else ():
+        if {row, reference} <= results.keys():
+            results[row][f"same_tokens_as_{reference}"] = outputs[row] == outputs[reference]
     return results
 
 

@@ -13,6 +13,11 @@ weights, same KV cache class (runtime/kv_cache.py): the prefill runs through the
 Scope: greedy decoding, batch 1, no sliding window, no SpecAttn / quantised KV. CUDA only; importing this module
 needs no GPU.
 
+A graph removes the launches' host cost but not the kernels themselves: at SmolLM2's size a graphed decode token
+still costs ~2.5 ms on an H200 for ~0.14 ms of weight reads (docs/gpu.md). With `compile` a static step is fused by
+torch.compile (inductor) before capture: norms, rope, cache writes, residual adds and SiLU become a few generated
+kernels around the matmuls and attention.
+
 `StaticVerifier` does the same for the Engine's verify forward (root + draft tree), any sampling: tree sizes are
 bucketed to static shapes, one graph per bucket; SpecAttn's sparse verification included (kept keys as a static
 input, listed inside the graph by the attention backend).
@@ -32,11 +37,26 @@ from runtime.model import Transformer, apply_rope, attention_mask
 Out = TypeVar("Out")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
 STOP_CHECK = 16  # the graphed decoder looks for a stop token every this many tokens
+# specialisations of one static step's code (every bucket, depth and instance is one): dynamo's default of 8
+# would send later ones back to eager without a word
+RECOMPILE_LIMIT = 512
 
 
 def require_cuda(device: torch.device, use_graph: bool, what: str = "model") -> None:
     if use_graph and device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA {what}, got device {device}")
+
+
+def compile_step(step: Callable[..., Out], enabled: bool) -> Callable[..., Out]:
+    """`step` compiled by torch.compile (inductor) where `enabled`, else `step` itself. The whole step or an error
+    (fullgraph: a graph break would split it silently). It compiles on its first call, which a capture's warm-up
+    makes; the first bucket at its own shapes, the second once more with the bucket size symbolic (torch's automatic
+    dynamic shapes), which then serves every later bucket: two compiles a step, not one per bucket. Each bucket is
+    still captured in a graph of its own."""
+    if not enabled:
+        return step
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(step, fullgraph=True)
 
 
 def check_static_inputs(who: str, cache: KVCache, buckets: tuple[int, ...]) -> None:
@@ -49,9 +69,11 @@ def check_static_inputs(who: str, cache: KVCache, buckets: tuple[int, ...]) -> N
 
 class GraphedGreedyDecoder:
     """`generate(prompt_ids, max_new_tokens)` -> new tokens, greedy. `use_graph=False` runs the same static-shape
-    step eagerly (to separate what capture buys from what the static step itself changes)."""
+    step eagerly (to separate what capture buys from what the static step itself changes); `compile` fuses it
+    first (compile_step)."""
 
-    def __init__(self, model: Transformer, max_len: int, use_graph: bool = True, warmup: int = 3):
+    def __init__(self, model: Transformer, max_len: int, use_graph: bool = True, warmup: int = 3,
+                 compile: bool = False):
         c = model.config
         require_cuda(model.device, use_graph)
         if c.sliding_window is not None:
@@ -68,6 +90,7 @@ class GraphedGreedyDecoder:
             self.out = torch.zeros(max_len, dtype=torch.long, device=dev)
             self.key_slot = torch.arange(max_len, device=dev)
             self.graph: torch.cuda.CUDAGraph | None = None
+            self.run_step = compile_step(self._step, compile)
             if use_graph:
                 self._capture(warmup)
 
@@ -107,13 +130,13 @@ class GraphedGreedyDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, cuBLAS workspaces, autotuning
             for _ in range(warmup):
-                self._step()
+                self.run_step()
         torch.cuda.current_stream().wait_stream(stream)
         self.pos.zero_()
         self.step.zero_()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._step()
+            self.run_step()
         torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ decoding
@@ -141,7 +164,7 @@ class GraphedGreedyDecoder:
             if self.graph is not None:
                 self.graph.replay()
             else:
-                self._step()
+                self.run_step()
             made += 1
         tokens = self.out[:made].tolist()
         stop = set(stop_ids)
@@ -202,10 +225,13 @@ class StaticVerifier:
     before the layers read it, so a backend that skips unkept keys (triton_sparse) reads no slot beyond them.
 
     The outputs are views of static buffers, valid until the next call; the Engine reads them within its step.
-    Off CUDA (`use_graph=False`) the same static step runs eagerly: that is what the CPU tests check."""
+    Off CUDA (`use_graph=False`) the same static step runs eagerly: that is what the CPU tests check. `compile`
+    fuses the dense steps first (compile_step); sparse ones stay as they are, their attention being a kernel of
+    ours (triton_sparse) or sdpa over a mask."""
 
     def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS,
-                 use_graph: bool = True, warmup: int = 2, sparse: SpecAttnConfig | None = None):
+                 use_graph: bool = True, warmup: int = 2, sparse: SpecAttnConfig | None = None,
+                 compile: bool = False):
         require_cuda(model.device, use_graph)
         check_static_inputs("StaticVerifier", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
@@ -214,6 +240,7 @@ class StaticVerifier:
         self.offsets = torch.arange(max(buckets), device=model.device)
         self.sparse, self.keep = sparse, None  # the static copy of a call's `keep`, allocated on first use
         self.key_slot = torch.arange(cache.max_len, device=model.device)
+        self.dense_step = compile_step(self._step, compile)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,10 +265,11 @@ class StaticVerifier:
         b.positions[:, T:] = positions[:, :1]  # any valid position: padding rows are never read
         b.tree.copy_(b.padded)
         b.tree[:T, :T] = b.causal[:T, :T] if tree_mask is None else tree_mask
+        step = self._step if b.sparse else self.dense_step
         if not self.use_graph:
-            b.logits, b.hidden = self._step(b)
+            b.logits, b.hidden = step(b)
         elif b.graph is None:  # the warm-up's KV writes go to the same slots the replay writes
-            b.graph, (b.logits, b.hidden) = capture(lambda: self._step(b), self.warmup)
+            b.graph, (b.logits, b.hidden) = capture(lambda: step(b), self.warmup)
         else:
             b.graph.replay()
         return b.logits[:, :T], b.hidden[:, :T]

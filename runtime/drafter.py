@@ -55,9 +55,10 @@ class Drafter(abc.ABC):
     def commit(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
         """Append newly committed tokens [m] and their features [m, H] (or None)."""
 
-    def use_static(self, use_graph: bool) -> None:
-        """EngineConfig.static_verify: draft at static shapes too, as CUDA graphs where `use_graph`, where this
-        drafter can (EAGLE's greedy chains); the default keeps drafting as it is."""
+    def use_static(self, use_graph: bool, compile: bool = False) -> None:
+        """EngineConfig.static_verify: draft at static shapes too, as CUDA graphs where `use_graph` (each step fused
+        by torch.compile first where `compile`), where this drafter can (EAGLE's greedy chains); the default keeps
+        drafting as it is."""
 
     def draft_attention(self) -> torch.Tensor | None:
         """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as

@@ -122,9 +122,9 @@ class EagleDrafter(Drafter):
         self.attention: Tensor | None = None  # [1, heads, prefix] of the last propose, see draft_attention
         self.static: StaticEagleChain | None = None  # greedy chains at static shapes, see use_static
 
-    def use_static(self, use_graph: bool) -> None:
+    def use_static(self, use_graph: bool, compile: bool = False) -> None:
         """Propose greedy chains (width 1) at static shapes, as CUDA graphs where `use_graph`."""
-        self.static = StaticEagleChain(self.model, self.cache, use_graph=use_graph)
+        self.static = StaticEagleChain(self.model, self.cache, use_graph=use_graph, compile=compile)
 
     def reset(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel() - 1:

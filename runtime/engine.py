@@ -48,6 +48,9 @@ class EngineConfig:
     # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy chains
     # likewise (runtime.static_draft; not while SpecAttn needs its attention). Full-precision KV only.
     static_verify: bool = False
+    # fuse each static step's kernels with torch.compile (inductor) before it is captured (runtime.cuda_graphs.
+    # compile_step): fewer launches a step where launches bound it; needs static_verify
+    compile_static: bool = False
     # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.ngram) are
     # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
     lookup: int = 0
@@ -81,6 +84,8 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig: {name}={v!r}, expected an int >= 0 (0 = off)")
+        if self.compile_static and not self.static_verify:
+            raise ValueError("EngineConfig: compile_static compiles the static steps, so it needs static_verify=True")
         if self.static_verify and self.kv_scheme is not None:
             raise ValueError(f"EngineConfig: static_verify needs a full-precision KV cache, got kv_scheme="
                              f"{self.kv_scheme!r}")
@@ -148,10 +153,11 @@ class Engine:
             if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
         self.static = None
         if cfg.static_verify:
-            self.static = StaticVerifier(target, self.cache, use_graph=target.device.type == "cuda",
-                                         sparse=cfg.sparse)
+            on_gpu = target.device.type == "cuda"
+            self.static = StaticVerifier(target, self.cache, use_graph=on_gpu, sparse=cfg.sparse,
+                                         compile=cfg.compile_static)
             if drafter is not None:
-                drafter.use_static(use_graph=target.device.type == "cuda")
+                drafter.use_static(use_graph=on_gpu, compile=cfg.compile_static)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),

@@ -9,6 +9,7 @@ prompts:
   ours_ar_graph   our greedy decode with the one-token step captured in a CUDA graph (runtime.cuda_graphs)
   ours_spec       our Engine with `ReplayDrafter`: a chain drafter replaying a configured acceptance pattern
   ours_spec_graph the same with each verify size captured in a CUDA graph (EngineConfig.static_verify)
+  ..._compiled    with --compile: the two graph rows again, each step fused by torch.compile before capture
 Random weights make the speed numbers valid (the arithmetic and bytes moved do not depend on the values) but
 say nothing about real acceptance: ReplayDrafter knows the target's greedy continuation (from a prior run of
 ours_ar) and proposes, per chain position, the right token with probability `accept_rate` until the first wrong
@@ -112,7 +113,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cuda", budget: DraftBudget = DraftBudget(5), accept_rate: float = 0.8,
-                     graphs: bool = True, seed: int = 0, print_table: bool = True) -> dict:
+                     graphs: bool = True, compiled: bool = False, seed: int = 0, print_table: bool = True) -> dict:
     from runtime.bench import (copy_bandwidth, device_name, engine_method, graph_methods, hf_generate, measure,
                                print_report, weight_bytes_per_token)
     from runtime.engine import Engine, EngineConfig
@@ -140,7 +141,7 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
     on_gpu = torch.device(device).type == "cuda"
     if graphs and on_gpu:  # the decode graph is captured here, the verify graphs on first use (the warm-up)
         t0 = time.perf_counter()
-        graph_methods(methods, ours, cfg, replay, max_new_tokens, params, ())
+        graph_methods(methods, ours, cfg, replay, max_new_tokens, params, (), compiled)
         capture_s = time.perf_counter() - t0
 
     outputs: dict[str, list[list[int]]] = {}
@@ -181,6 +182,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--accept-rate", type=float, default=0.8,
                     help="replay drafter: probability each chain position proposes the right token")
     ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph rows")
+    ap.add_argument("--compile", action="store_true",
+                    help="also the CUDA-graph rows with each step fused by torch.compile before capture "
+                         "(ours_ar_graph_compiled, ours_spec_graph_compiled; EngineConfig.compile_static)")
 
 
 def bench_from_args(args) -> dict:
@@ -188,7 +192,7 @@ def bench_from_args(args) -> dict:
                             dtype=getattr(torch, args.dtype or "bfloat16"),
                             device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                             budget=DraftBudget(depth=args.depth, width=1), accept_rate=args.accept_rate,
-                            graphs=not args.no_graphs)
+                            graphs=not args.no_graphs, compiled=args.compile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,13 @@ Same arithmetic as EagleDrafter.propose under greedy with width 1, at static sha
 - chain node j sits at slot n + j and position n + j + 1 (n: the pairs in the cache once the pending ones are in)
   and sees the prefix and the nodes before it, which is where runtime.dynamic_tree.TreeSlots puts a chain.
 Graphs are keyed by (bucket, depth); off CUDA (`use_graph=False`) the same static step runs eagerly, for tests.
+`compile` fuses the step first (runtime.cuda_graphs.compile_step).
 """
 from __future__ import annotations
 
 import torch
 
-from runtime.cuda_graphs import BUCKETS, bucket_for, capture, check_static_inputs, require_cuda
+from runtime.cuda_graphs import BUCKETS, bucket_for, capture, check_static_inputs, compile_step, require_cuda
 from runtime.dynamic_tree import tree_probs
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams
@@ -28,7 +29,7 @@ GREEDY = SamplingParams()
 
 class StaticEagleChain:
     def __init__(self, model, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, use_graph: bool = True,
-                 warmup: int = 2):
+                 warmup: int = 2, compile: bool = False):
         """`model`: a runtime.eagle.EagleModel; `cache`: its KV cache (batch 1, full precision)."""
         device = model.fc.weight.device
         require_cuda(device, use_graph, "drafter")
@@ -42,6 +43,7 @@ class StaticEagleChain:
         self.offsets = torch.arange(largest, device=device)
         self.key_slot = torch.arange(cache.max_len, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.run_step = compile_step(self._step, compile)
 
     def fits(self, n_pending: int, depth: int, cached: int) -> bool:
         """Whether `n_pending` pairs after `cached` ones, and a chain of `depth`, fit a bucket and the cache."""
@@ -58,10 +60,10 @@ class StaticEagleChain:
         self.features[0, :T] = features
         self.n_pending.fill_(T)
         if not self.use_graph:
-            return self._step(size, depth)
+            return self.run_step(size, depth)
         key = (size, depth)
         if key not in self.graphs:
-            self.graphs[key] = capture(lambda: self._step(size, depth), self.warmup)
+            self.graphs[key] = capture(lambda: self.run_step(size, depth), self.warmup)
         else:
             self.graphs[key][0].replay()
         return self.graphs[key][1]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.attention import SpecAttnConfig
-from runtime.bench import static_verify_config
+from runtime.bench import measure, static_verify_config
 from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier
 from runtime.engine import Engine, EngineConfig
 from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
@@ -111,3 +111,19 @@ def test_replayed_acceptance_is_lossless_and_sets_the_forward_count(rate):
         assert m["ours_spec"]["tau"] == 1.0
     else:  # every draft accepted: a depth-5 chain and its bonus token per forward (11 tokens after prefill: 6 + 5)
         assert m["ours_spec"]["tau"] == 5.5
+
+
+def test_graph_rows_are_compared_with_the_graphed_decode_of_their_own_kind():
+    """measure() checks each graph row's tokens against its partner: speculation against the graphed decode it
+    runs beside, the compiled decode against the uncompiled one."""
+    def returns(tokens):
+        return lambda ids, gen: (tokens, None)
+
+    methods = {"hf_generate": returns([1, 2]), "ours_ar": returns([1, 2]), "ours_ar_graph": returns([1, 2]),
+               "ours_spec_graph": returns([1, 2]), "ours_ar_graph_compiled": returns([1, 3]),
+               "ours_spec_graph_compiled": returns([1, 3])}
+    results = measure(methods, [[5, 6]], seed=0, compare_tokens=True)
+    assert results["ours_spec_graph"]["same_tokens_as_ours_ar_graph"] is True
+    assert results["ours_ar_graph_compiled"]["same_tokens_as_ours_ar_graph"] is False
+    assert results["ours_spec_graph_compiled"]["same_tokens_as_ours_ar_graph_compiled"] is True
+    assert results["ours_spec_graph_compiled"]["same_tokens_as_ours_ar"] is False

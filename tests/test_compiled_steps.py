@@ -1,0 +1,56 @@
+"""The static steps fused by torch.compile (EngineConfig.compile_static, runtime.cuda_graphs.compile_step), here
+through inductor's CPU backend, eagerly: the same tokens as the uncompiled static steps, and a compiled graph
+for each of the decode, verify and chain steps (not a silent fall-back to eager)."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from runtime.cuda_graphs import GraphedGreedyDecoder
+from runtime.drafter import DraftBudget
+from runtime.eagle import EagleDrafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams
+from train.recipes import build_eagle
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_decode_step_decodes_as_the_engine(target):
+    prompt = torch.randint(0, target.config.vocab_size, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = Engine(target, None, EngineConfig(max_seq_len=128, adaptive=False)).generate(prompt, 30).tokens
+    before = compiled_graphs()
+    decoder = GraphedGreedyDecoder(target, max_len=128, use_graph=False, compile=True)
+    assert decoder.generate(prompt, 30) == expected
+    assert compiled_graphs() == before + 1  # one step, one graph, reused for every token
+
+
+def test_compiled_static_verify_and_drafting_generate_the_same(target):
+    torch.manual_seed(0)
+    eagle = build_eagle(target, None, from_target=False).eval()
+    with torch.no_grad():
+        for p in eagle.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    eagle.requires_grad_(False)
+    prompt = torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(3), adaptive=False, static_verify=True)
+    plain = Engine(target, EagleDrafter(eagle, 128), cfg).generate(prompt, 40, SamplingParams())
+    before = compiled_graphs()
+    engine = Engine(target, EagleDrafter(eagle, 128), EngineConfig(**{**cfg.__dict__, "compile_static": True}))
+    fused = engine.generate(prompt, 40, SamplingParams())
+    assert fused.tokens == plain.tokens
+    assert fused.metrics.target_forwards == plain.metrics.target_forwards
+    # the verify of root + 3 nodes (bucket 4) and each chain's (pending bucket, depth 3)
+    assert compiled_graphs() >= before + 2
+
+
+def test_compile_static_needs_static_verify():
+    with pytest.raises(ValueError, match="compile_static .* needs static_verify=True"):
+        EngineConfig(compile_static=True)

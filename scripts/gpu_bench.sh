@@ -11,11 +11,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -m kernels.gpu_check --out "$OUT/kernels.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
-python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --out "$OUT/smollm2_bf16.json"
-python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --out "$OUT/llama3_8b_bf16.json"
+python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
+  --out "$OUT/smollm2_bf16.json"
+python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \
+  --out "$OUT/llama3_8b_bf16.json"
 if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
   python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
-    ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --out "$OUT/real_bf16.json"
+    ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --out "$OUT/real_bf16.json"
   for backend in ${SPECATTN_TOP_P:+sdpa triton_sparse}; do
     DRAFTSMITH_ATTENTION_BACKEND=$backend python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" \
       --device cuda --dtype bfloat16 ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 \

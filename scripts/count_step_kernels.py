@@ -1,0 +1,54 @@
+"""Kernels one static decode step of the SmolLM2-135M shape runs, eager against fused by torch.compile
+(EngineConfig.compile_static), counted on the CPU: what the eager step dispatches (views left out), and the fused
+kernels plus library calls in inductor's generated code. A CPU-side proxy for the launches a GPU step saves.
+
+    python scripts/count_step_kernels.py
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runtime.cuda_graphs import GraphedGreedyDecoder
+from runtime.gpu_bench import random_models, random_prompts
+
+VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",
+         "t", "as_strided", "detach", "alias", "permute", "squeeze", "unbind", "chunk", "reshape", "_reshape_alias"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    model = random_models("smollm2-135m", torch.float32, "cpu", max_seq_len=256, with_hf=False)[0]
+    decoder = GraphedGreedyDecoder(model, 256, use_graph=False)
+    decoder.generate(random_prompts(model.config.vocab_size, 1, seed=3)[0], 2)  # a prefix in the cache
+    layers = model.config.n_layers
+    with torch.inference_mode(), OpCounter() as counter:
+        decoder._step()
+    eager = sum(counter.ops.values())
+    print(f"eager: {eager} ops, {eager / layers:.1f} a layer; {dict(counter.ops.most_common())}")
+    with torch.inference_mode():
+        _, codes = run_and_get_code(torch.compile(decoder._step, fullgraph=True))
+    call = codes[-1][codes[-1].index("def call("):]
+    fused = Counter(re.sub(r"_\d+$", "", k) for k in re.findall(r"\n\s+(cpp_fused_\w+|triton_\w+)", call))
+    library = Counter(re.findall(r"\n\s+(?:buf\d+ = )?(extern_kernels\.\w+|aten\.\w+|torch\.ops\.\w+\.\w+)", call))
+    n = sum(fused.values()) + sum(library.values())
+    print(f"compiled: {n} kernels, {n / layers:.1f} a layer; library {dict(library)}; fused {dict(fused)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,8 @@
 # Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
 # FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend;
-# with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse.
+# with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
+# QUICK=1: only the kernel table and the SmolLM2-shape bf16 bench with its compiled rows (what is not yet measured).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -10,9 +11,10 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -m kernels.gpu_check --out "$OUT/kernels.json"
-python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/smollm2_bf16.json"
+[ -n "$QUICK" ] && exit 0
+python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
 python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/llama3_8b_bf16.json"
 if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then

@@ -51,8 +51,8 @@ def compile_step(step: Callable[..., Out], enabled: bool) -> Callable[..., Out]:
     """`step` compiled by torch.compile (inductor) where `enabled`, else `step` itself. The whole step or an error
     (fullgraph: a graph break would split it silently). It compiles on its first call, which a capture's warm-up
     makes; the first bucket at its own shapes, the second once more with the bucket size symbolic (torch's automatic
-    dynamic shapes), which then serves every later bucket: two compiles a step, not one per bucket. Each bucket is
-    still captured in a graph of its own."""
+    dynamic shapes), which then serves the later ones (but size 1, which torch specialises): a few compiles a step,
+    not one per bucket. Each bucket is still captured in a graph of its own."""
     if not enabled:
         return step
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

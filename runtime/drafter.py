@@ -57,7 +57,7 @@ class Drafter(abc.ABC):
 
     def use_static(self, use_graph: bool, compile: bool = False) -> None:
         """EngineConfig.static_verify: draft at static shapes too, as CUDA graphs where `use_graph` (each step fused
-        by torch.compile first where `compile`), where this drafter can (EAGLE's greedy chains); the default keeps
+        by torch.compile first where `compile`), where this drafter can (EAGLE's greedy trees); the default keeps
         drafting as it is."""
 
     def draft_attention(self) -> torch.Tensor | None:

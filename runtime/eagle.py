@@ -18,7 +18,7 @@ from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.kv_cache import KVCache
 from runtime.model import Block, Linear, ModelConfig, Transformer, attention_mask, pack_for_cpu, rope_tables
 from runtime.sampling import SamplingParams
-from runtime.static_draft import StaticEagleChain
+from runtime.static_draft import StaticEagleTree
 from runtime.tree import DraftTree
 
 
@@ -120,11 +120,11 @@ class EagleDrafter(Drafter):
         self.pending: list[tuple[Tensor, Tensor]] = []  # committed pairs not yet in the drafter cache
         self.cached = 0  # pairs in the drafter cache, kept on the host: reading cache.lengths waits for a GPU
         self.attention: Tensor | None = None  # [1, heads, prefix] of the last propose, see draft_attention
-        self.static: StaticEagleChain | None = None  # greedy chains at static shapes, see use_static
+        self.static: StaticEagleTree | None = None  # greedy trees at static shapes, see use_static
 
     def use_static(self, use_graph: bool, compile: bool = False) -> None:
-        """Propose greedy chains (width 1) at static shapes, as CUDA graphs where `use_graph`."""
-        self.static = StaticEagleChain(self.model, self.cache, use_graph=use_graph, compile=compile)
+        """Propose greedy trees at static shapes, as CUDA graphs where `use_graph`."""
+        self.static = StaticEagleTree(self.model, self.cache, use_graph=use_graph, compile=compile)
 
     def reset(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel() - 1:
@@ -148,13 +148,12 @@ class EagleDrafter(Drafter):
         feats = torch.cat([f for _, f in self.pending])
         self.pending = []
         T, track = toks.numel(), self.track_attention
-        if (self.static is not None and params.greedy and budget.width == 1 and budget.max_nodes >= budget.depth
-                and not track and self.static.fits(T, budget.depth, self.cached)):
-            chain = self.static(toks, feats, budget.depth).clone()
+        if self.static is not None and params.greedy and not track and self.static.fits(T, budget, self.cached):
+            tree = self.static(toks, feats, budget)
             self.cache.lengths += T  # fits() checked the room: no host read, unlike KVCache.advance
             self.cached += T
             self.attention = None
-            return DraftTree(chain, torch.arange(-1, budget.depth - 1, device=chain.device))
+            return tree
         out, weights = m.causal_step(toks[None], feats[None], self.cache, want_weights=track)
         out = out[0]
         self.cache.advance(T)

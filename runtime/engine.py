@@ -45,7 +45,7 @@ class EngineConfig:
     kv_scheme: str | None = None  # quantised KV history (runtime.quant_kv_cache): int8 | int4 | hier-int4
     kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
     # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.cuda_graphs.StaticVerifier;
-    # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy chains
+    # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy trees
     # likewise (runtime.static_draft; not while SpecAttn needs its attention). Full-precision KV only.
     static_verify: bool = False
     # fuse each static step's kernels with torch.compile (inductor) before it is captured (runtime.cuda_graphs.

@@ -1,18 +1,21 @@
-"""An EAGLE drafter's greedy chain (width 1) at static shapes: on a CUDA drafter, each propose is one CUDA graph
-replay (issue #8).
+"""An EAGLE drafter's greedy draft trees at static shapes: on a CUDA drafter, each propose is one CUDA graph replay
+(issue #8).
 
-On an H200 the eager propose of the default bundle's depth-2 chain cost 3.2 ms per speculative step, about as
-much as the graphed verify (3.4 ms; docs/gpu.md, 2026-11-26): Python, a few dozen kernel launches and host reads
-for a drafter of one block. Captured, the whole propose is one launch with no host read: the committed pairs'
-causal step, then per chain node the draft head's argmax and the node's own step.
+On an H200 the eager propose of a depth-2 chain cost 3.2 ms per speculative step, about as much as the graphed
+verify (3.4 ms; docs/gpu.md, 2026-11-26): Python, a few dozen kernel launches and host reads for a drafter of one
+block. Captured, the whole propose is one launch with no host read: the committed pairs' causal step, then per
+depth the draft head's top-`width` children of the nodes it expands and those nodes' own step.
 
-Same arithmetic as EagleDrafter.propose under greedy with width 1, at static shapes:
-- the pending pairs are padded to a bucket; padding rows write KV after the real ones, where the chain's own writes
+Same tree as EagleDrafter.propose under greedy (runtime.dynamic_tree.grow_tree, EAGLE-2), at static shapes:
+- the pending pairs are padded to a bucket; padding rows write KV after the real ones, where the tree's own writes
   land before anything reads them;
-- attention reads the whole static cache with a mask, each row seeing the slots up to its own;
-- chain node j sits at slot n + j and position n + j + 1 (n: the pairs in the cache once the pending ones are in)
-  and sees the prefix and the nodes before it, which is where runtime.dynamic_tree.TreeSlots puts a chain.
-Graphs are keyed by (bucket, depth); off CUDA (`use_graph=False`) the same static step runs eagerly, for tests.
+- the root draws its top `width` children; at each further depth the `width` frontier nodes of best cumulative
+  score (stable order on ties: the eager sort's) are expanded in one step and each draws its top `width`; then the
+  best `nodes` of all candidates are kept, parents before children. A chain is width 1;
+- the expanded nodes sit at the slots after the root's position n, in expansion order, at position n + depth, and
+  see the committed prefix, their expanded ancestors and themselves: where runtime.dynamic_tree.TreeSlots puts them;
+- attention reads the whole static cache with a mask; scores are summed in float64 as the eager tree's are.
+Graphs are keyed by (bucket, budget); off CUDA (`use_graph=False`) the same static step runs eagerly, for tests.
 `compile` fuses the step first (runtime.cuda_graphs.compile_step).
 """
 from __future__ import annotations
@@ -20,70 +23,109 @@ from __future__ import annotations
 import torch
 
 from runtime.cuda_graphs import BUCKETS, bucket_for, capture, check_static_inputs, compile_step, require_cuda
+from runtime.drafter import DraftBudget
 from runtime.dynamic_tree import tree_probs
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
 
 GREEDY = SamplingParams()
+Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class StaticEagleChain:
+def tree_slots(budget: DraftBudget) -> int:
+    """Drafter KV slots a propose's expanded nodes take after the root's position: `width` a depth below the root."""
+    return (budget.depth - 1) * budget.width
+
+
+class StaticEagleTree:
     def __init__(self, model, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, use_graph: bool = True,
                  warmup: int = 2, compile: bool = False):
         """`model`: a runtime.eagle.EagleModel; `cache`: its KV cache (batch 1, full precision)."""
         device = model.fc.weight.device
         require_cuda(device, use_graph, "drafter")
-        check_static_inputs("StaticEagleChain", cache, buckets)
+        check_static_inputs("StaticEagleTree", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
         self.buckets = tuple(sorted(set(buckets)))
         largest = self.buckets[-1]
         self.tokens = torch.zeros(1, largest, dtype=torch.long, device=device)
         self.features = torch.zeros(1, largest, model.cfg.dim, dtype=model.fc.weight.dtype, device=device)
         self.n_pending = torch.ones(1, dtype=torch.long, device=device)
-        self.offsets = torch.arange(largest, device=device)
-        self.key_slot = torch.arange(cache.max_len, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.key_slot = torch.arange(cache.max_len, device=device)  # also the offsets of pending pairs and nodes
+        self.graphs: dict[tuple[int, DraftBudget], tuple[torch.cuda.CUDAGraph, Tensors]] = {}
         self.run_step = compile_step(self._step, compile)
 
-    def fits(self, n_pending: int, depth: int, cached: int) -> bool:
-        """Whether `n_pending` pairs after `cached` ones, and a chain of `depth`, fit a bucket and the cache."""
+    def fits(self, n_pending: int, budget: DraftBudget, cached: int) -> bool:
+        """Whether `n_pending` pairs after `cached` ones, and the tree's expanded nodes, fit a bucket and the cache
+        (and the draft vocabulary has `width` tokens to draw)."""
         size = bucket_for(n_pending, self.buckets)
-        return size is not None and cached + max(size, n_pending + depth) <= self.cache.max_len
+        return size is not None and cached + max(size, n_pending + tree_slots(budget)) <= self.cache.max_len \
+            and budget.width <= self.model.head.weight.shape[0]
 
-    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, depth: int) -> torch.Tensor:
-        """The pending pairs (tokens [T], features [T, H]) -> the chain's target token ids [depth]: a view of a
-        static buffer, valid until the next call. Writes the pairs' KV after the cache's length without
-        advancing it (the caller advances by T)."""
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, budget: DraftBudget) -> DraftTree:
+        """The pending pairs (tokens [T], features [T, H]) -> the greedy draft tree within `budget`, scored as the
+        eager one. Writes the pairs' KV after the cache's length without advancing it (the caller advances by T)."""
         T = tokens.numel()
         size = bucket_for(T, self.buckets)
         self.tokens[0, :T] = tokens
         self.features[0, :T] = features
         self.n_pending.fill_(T)
+        shape = (size, budget.depth, budget.width, budget.max_nodes)
         if not self.use_graph:
-            return self.run_step(size, depth)
-        key = (size, depth)
-        if key not in self.graphs:
-            self.graphs[key] = capture(lambda: self.run_step(size, depth), self.warmup)
+            out = self.run_step(*shape)
+        elif (size, budget) not in self.graphs:
+            self.graphs[(size, budget)] = capture(lambda: self.run_step(*shape), self.warmup)
+            out = self.graphs[(size, budget)][1]
         else:
-            self.graphs[key][0].replay()
-        return self.graphs[key][1]
+            graph, out = self.graphs[(size, budget)]
+            graph.replay()
+        tokens, parents, scores = (t.clone() for t in out)  # the static buffers change at the next replay
+        return DraftTree(tokens, parents, None, scores.float())
 
-    def _step(self, size: int, depth: int) -> torch.Tensor:
+    def _step(self, size: int, depth: int, width: int, limit: int) -> Tensors:
         m, cache, L = self.model, self.cache, self.cache.max_len
-        own = cache.lengths + self.offsets[:size]  # the pairs' slots; pair j sits at position slot + 1
+        own = cache.lengths + self.key_slot[:size]  # the pairs' slots; pair j sits at position slot + 1
         positions = (own + 1).clamp(max=m.rope_cos.shape[0] - 1)  # padding rows: any valid position
         mask = (self.key_slot[None, :] <= own[:, None])[None, None]
         out = m.step(self.tokens[:, :size], self.features[:, :size], positions[None], cache, own[None], L, mask)[0]
-        feature = out[0].index_select(0, self.n_pending - 1)[0]  # [H]: what the last real pair predicted
-        first = cache.lengths + self.n_pending  # [1]: the root's position, the first chain node's slot
-        keep = m.head.keep_ids
-        chain = []
-        for j in range(depth):
-            pick = tree_probs(m.head(feature), GREEDY).topk(1).indices.view(1)  # the ranking eager drafting uses
-            token = pick if keep is None else keep[pick]
-            chain.append(token)
-            if j + 1 < depth:
-                slot = (first + j).view(1, 1)
-                mask = (self.key_slot <= slot[0]).view(1, 1, 1, L)
-                feature = m.step(token.view(1, 1), feature.view(1, 1, -1), slot + 1, cache, slot, L, mask)[0][0]
-        return torch.cat(chain)
+        root_feature = out[0].index_select(0, self.n_pending - 1)  # [1, H]: what the last real pair predicted
+        root = cache.lengths + self.n_pending  # [1]: the root's position, the first expanded node's slot
+
+        # candidates in eager order, per depth: draft-vocabulary index, parent (-1: the root), cumulative log-prob,
+        # effective score (never above the parent's), the feature expanding it reads (its parent's), and the
+        # slots it may see when expanded (the committed prefix and its expanded ancestors)
+        p, index = tree_probs(m.head(root_feature), GREEDY).topk(width)
+        score = p[0].double().log()
+        ids, parents, scores, effective = [index[0]], [torch.full_like(index[0], -1)], [score], [score]
+        feeds = [root_feature.expand(width, -1)]
+        sees = [(self.key_slot < root).expand(width, L)]
+        start = 0  # first candidate of the frontier (the last depth's)
+        for level in range(1, depth):
+            eff = torch.cat(effective)
+            frontier = torch.arange(start, eff.numel(), device=eff.device)
+            chosen = frontier[eff[start:].sort(descending=True, stable=True).indices[:width]]
+            slots = root + (level - 1) * width + self.key_slot[:width]
+            node_sees = torch.cat(sees)[chosen] | (self.key_slot[None, :] == slots[:, None])  # [w, L]
+            tokens = torch.cat(ids)[chosen]
+            tokens = tokens if m.head.keep_ids is None else m.head.keep_ids[tokens]
+            f = m.step(tokens[None], torch.cat(feeds)[chosen][None], (root + level).expand(width)[None], cache,
+                       slots[None], L, node_sees[None, None])[0][0]  # [w, H]
+            p, index = tree_probs(m.head(f), GREEDY).topk(width)  # [w, w], each row in draw order
+            score = torch.cat(scores)[chosen][:, None] + p.double().log()
+            start = eff.numel()
+            ids.append(index.flatten())
+            parents.append(chosen.repeat_interleave(width))
+            scores.append(score.flatten())
+            effective.append(torch.minimum(eff[chosen][:, None], score).flatten())
+            feeds.append(f.repeat_interleave(width, 0))
+            sees.append(node_sees.repeat_interleave(width, 0))
+
+        eff, parent = torch.cat(effective), torch.cat(parents)
+        kept = eff.sort(descending=True, stable=True).indices[:limit].sort().values  # best `limit`, in eager order
+        renumbered = torch.full_like(parent, -1)
+        renumbered[kept] = torch.arange(kept.numel(), device=kept.device)
+        kept_parent = parent[kept]
+        tree_parents = torch.where(kept_parent >= 0, renumbered[kept_parent.clamp(min=0)], -1)
+        tokens = torch.cat(ids)[kept]
+        tokens = tokens if m.head.keep_ids is None else m.head.keep_ids[tokens]
+        return tokens, tree_parents, eff[kept]

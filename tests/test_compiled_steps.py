@@ -40,14 +40,14 @@ def test_compiled_static_verify_and_drafting_generate_the_same(target):
             p.add_(0.1 * torch.randn_like(p))
     eagle.requires_grad_(False)
     prompt = torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(3), adaptive=False, static_verify=True)
+    cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(3, 2, 5), adaptive=False, static_verify=True)
     plain = Engine(target, EagleDrafter(eagle, 128), cfg).generate(prompt, 40, SamplingParams())
     before = compiled_graphs()
     engine = Engine(target, EagleDrafter(eagle, 128), EngineConfig(**{**cfg.__dict__, "compile_static": True}))
     fused = engine.generate(prompt, 40, SamplingParams())
     assert fused.tokens == plain.tokens
     assert fused.metrics.target_forwards == plain.metrics.target_forwards
-    # the verify of root + 3 nodes (bucket 4) and each chain's (pending bucket, depth 3)
+    # the verify of root + 5 nodes (bucket 8) and the tree of each pending bucket
     assert compiled_graphs() >= before + 2
 
 

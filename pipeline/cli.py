@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pipeline.errors import DraftsmithError
@@ -57,12 +58,12 @@ def cmd_run(args) -> int:
             except (DraftsmithError, BundleError):
                 raise  # bad input: main() prints it and exits 2
             except Exception as e:  # one line here; the traceback is kept for whoever debugs it
-                console.print(f"[red]{stage.name}: failed:[/] {type(e).__name__}: {e} (traceback in "
+                console.print(f"[red]{stage.name}: failed:[/] {type(e).__name__}: {escape(str(e))} (traceback in "
                               f"{store.error_path(stage.name)})", highlight=False, soft_wrap=True)
                 return 1
-            console.print(f"{stage.name}: {rec['status']} in {rec['seconds']:.1f}s  {rec['message']}")
+            console.print(f"{stage.name}: {rec['status']} in {rec['seconds']:.1f}s  {escape(rec['message'])}")
         if rec["status"] != "completed":
-            console.print(f"[red]{stage.name}: {rec['status']}: {rec['message']}[/]")
+            console.print(f"[red]{stage.name}: {rec['status']}: {escape(rec['message'])}[/]")
             return EXIT_GATE_FAILED if rec["status"] == "gate_failed" else 1
     write_json_atomic(store.dir / "last_run.json", {"stages": [s.name for s in stages]})
     return 0
@@ -143,19 +144,13 @@ def _bench_prompts(path: Path) -> list[str | list[int]]:
 
 
 def _budget(text: str) -> dict:
-    """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> EngineConfig fields (a fixed budget: not adapted while
-    decoding; MAX_TREE: the most nodes a verify holds, drafter's and lookup's together)."""
-    import re
+    """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> EngineConfig fields (runtime.drafter.budget_fields)."""
+    from runtime.drafter import budget_fields
 
-    from runtime.drafter import DraftBudget
-
-    m = re.fullmatch(r"(\d+)x(\d+)(?:/(\d+))?(?:\+(\d+))?(?:@(\d+))?", text.strip())
     try:
-        depth, width, nodes, lookup, max_tree = (int(g or 0) for g in m.groups())
-        return {"budget": DraftBudget(depth, width, nodes), "adaptive": False, "lookup": lookup, "max_tree": max_tree}
-    except (AttributeError, ValueError) as e:
-        raise DraftsmithError(f"--budget {text!r}: expected DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] with depth, width "
-                              f">= 1, e.g. 2x3/6+8@5{f' ({e})' if isinstance(e, ValueError) else ''}") from None
+        return budget_fields(text)
+    except ValueError as e:
+        raise DraftsmithError(f"--budget {e}") from None
 
 
 def cmd_bench(args) -> int:
@@ -259,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (DraftsmithError, BundleError) as e:
-        console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: finished stages are kept; rerun to continue")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,25 @@ class DraftBudget:
     @property
     def max_nodes(self) -> int:
         return self.nodes or self.depth * self.width
+
+
+BUDGET_SPEC = "DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE]"
+
+
+def budget_fields(text: str) -> dict:
+    """A budget spec, e.g. 2x3/6+8@5 -> EngineConfig fields: a fixed budget (not adapted while decoding), LOOKUP
+    n-gram lookup nodes, MAX_TREE the most nodes a verify holds (drafter's and lookup's together; 0: no limit).
+    ValueError on a malformed spec."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:/(\d+))?(?:\+(\d+))?(?:@(\d+))?", text.strip())
+    expected = f"{text!r}: expected {BUDGET_SPEC} with depth, width >= 1, e.g. 2x3/6+8@5"
+    if m is None:
+        raise ValueError(expected)
+    depth, width, nodes, lookup, max_tree = (int(g or 0) for g in m.groups())
+    try:
+        budget = DraftBudget(depth, width, nodes)
+    except ValueError as e:
+        raise ValueError(f"{expected} ({e})") from None
+    return {"budget": budget, "adaptive": False, "lookup": lookup, "max_tree": max_tree}
 
 
 class Drafter(abc.ABC):

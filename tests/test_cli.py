@@ -164,6 +164,15 @@ def test_bench_budget_flag_and_its_errors():
             _budget(bad)
 
 
+def test_an_error_with_brackets_prints_as_written(capsys):
+    """Rich reads [..] as markup: an unescaped message such as the budget spec's crashed the error path."""
+    from pipeline.cli import main
+
+    assert main(["bench", "--budget", "0x3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--budget '0x3': expected DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE]" in err
+
+
 def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, monkeypatch, capsys):
     import pipeline.prepare
     from pipeline.cli import main

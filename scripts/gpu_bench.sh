@@ -3,7 +3,8 @@
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
 # FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend;
 # with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
-# QUICK=1: only the kernel table and the SmolLM2-shape bf16 bench with its compiled rows (what is not yet measured).
+# BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's);
+# QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs, the SmolLM2-shape bf16 bench.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -11,6 +12,9 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -m kernels.gpu_check --out "$OUT/kernels.json"
+python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --out "$OUT/step_costs_bf16.json"
+python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --compile --budgets 2x3/6,4x4/16 \
+  --out "$OUT/step_costs_bf16_compiled.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/smollm2_bf16.json"
 [ -n "$QUICK" ] && exit 0
@@ -20,6 +24,11 @@ python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-n
 if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
   python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
     ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --out "$OUT/real_bf16.json"
+  if [ -n "$BUDGET" ]; then
+    python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
+      ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --budget "$BUDGET" \
+      --out "$OUT/real_bf16_budget.json"
+  fi
   for backend in ${SPECATTN_TOP_P:+sdpa triton_sparse}; do
     DRAFTSMITH_ATTENTION_BACKEND=$backend python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" \
       --device cuda --dtype bfloat16 ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 \

@@ -9,6 +9,7 @@ from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier
 from runtime.engine import Engine, EngineConfig
 from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
 from runtime.sampling import SamplingParams
+from runtime.step_costs import step_costs
 from runtime.tree import DraftTree
 
 
@@ -127,3 +128,13 @@ def test_graph_rows_are_compared_with_the_graphed_decode_of_their_own_kind():
     assert results["ours_ar_graph_compiled"]["same_tokens_as_ours_ar_graph"] is False
     assert results["ours_spec_graph_compiled"]["same_tokens_as_ours_ar_graph_compiled"] is True
     assert results["ours_spec_graph_compiled"]["same_tokens_as_ours_ar"] is False
+
+
+def test_step_costs_time_every_bucket_and_budget_and_refuse_a_tree_that_does_not_fit():
+    costs = step_costs("smollm2-135m", torch.float32, "cpu", context=32, budgets=("1x3/3", "2x3/6"), buckets=(1, 8),
+                       repeats=1)
+    assert not costs["graphs"] and costs["context"] == 32
+    assert list(costs["verify_ms"]) == [1, 8] and list(costs["draft_ms"]) == ["1x3/3", "2x3/6"]
+    assert costs["decode_ms"] > 0 and all(ms > 0 for ms in [*costs["verify_ms"].values(), *costs["draft_ms"].values()])
+    with pytest.raises(ValueError, match="budget 9x9: its tree does not fit"):  # 8 x 9 expanded nodes
+        step_costs("smollm2-135m", torch.float32, "cpu", context=32, budgets=("9x9",), buckets=(1, 8), repeats=1)

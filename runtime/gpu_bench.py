@@ -197,7 +197,6 @@ def bench_from_args(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     ap = argparse.ArgumentParser(description="random-weights benchmark (see runtime/gpu_bench.py)")
     add_arguments(ap)
@@ -207,11 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.random_weights is None:
         ap.error("--random-weights CONFIG is required")
-    report = bench_from_args(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.out, bench_from_args(args))
     return 0
+
+
+def write_report(path: str | None, report: dict) -> None:
+    """The report as JSON at `path`, if one is given (the device tools' --out)."""
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

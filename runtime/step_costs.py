@@ -21,7 +21,7 @@ from runtime.device import synchronizer
 from runtime.draft_head import DraftHead
 from runtime.drafter import budget_fields
 from runtime.eagle import EagleModel
-from runtime.gpu_bench import RANDOM_CONFIGS, random_models, random_prompts
+from runtime.gpu_bench import RANDOM_CONFIGS, random_models, random_prompts, write_report
 from runtime.static_draft import StaticEagleTree
 
 BUDGETS = ("1x3/3", "2x1", "2x3/6", "3x3/9", "4x4/16", "6x4/24")
@@ -96,7 +96,6 @@ def print_costs(costs: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     ap = argparse.ArgumentParser(description="per-step costs of the static steps (see runtime/step_costs.py)")
     ap.add_argument("--random-weights", required=True, choices=sorted(RANDOM_CONFIGS))
@@ -115,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     print_costs(costs)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(costs, f, indent=1)
+    write_report(args.out, costs)
     return 0
 
 

@@ -15,7 +15,7 @@ from mlflow_server import free_port, run_stage, stop, validated_run, wait_health
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
-from pipeline.serving import serve_invocation
+from pipeline.serving import DEVICE_ENV, serve_invocation, serving_config, serving_device
 from pipeline.sources import target_fingerprint
 from runtime.precision import float_dtype
 from runtime.bundle import BundleError
@@ -133,3 +133,21 @@ def test_serve_refuses_an_alias_the_registry_lacks(tmp_path):
     cfg = registry_cfg(tmp_path, "smollm2-135m-instruct")
     with pytest.raises(DraftsmithError, match="models:/draftsmith-drafter@champion: no such model version"):
         serve_invocation(cfg, free_port())
+
+
+def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(monkeypatch):
+    from runtime.drafter import DraftBudget
+
+    fields = {"budget": DraftBudget(2, 3, 6), "lookup": 8, "kv_scheme": "int8", "kv_recent": 32}
+    cpu = serving_config(fields, 512, torch.device("cpu"))
+    assert (cpu.kv_scheme, cpu.static_verify, cpu.lookup) == ("int8", False, 8)
+    gpu = serving_config(fields, 512, torch.device("cuda"))  # a config only: nothing runs on the device here
+    assert (gpu.kv_scheme, gpu.static_verify, gpu.lookup, gpu.budget) == (None, True, 8, DraftBudget(2, 3, 6))
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    assert serving_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    assert serving_device() == torch.device("cpu")
+    for bad in ("tpu", *(() if torch.cuda.is_available() else ("cuda",))):
+        monkeypatch.setenv(DEVICE_ENV, bad)
+        with pytest.raises(DraftsmithError, match=f"DRAFTSMITH_DEVICE={bad!r}: expected cpu, or cuda"):
+            serving_device()

@@ -91,12 +91,14 @@ class StaticEagleTree:
         root_feature = out[0].index_select(0, self.n_pending - 1)  # [1, H]: what the last real pair predicted
         root = cache.lengths + self.n_pending  # [1]: the root's position, the first expanded node's slot
 
-        # candidates in eager order, per depth: draft-vocabulary index, parent (-1: the root), cumulative log-prob,
+        keep = m.head.keep_ids  # target id of each draft-vocabulary index; None: the full vocabulary
+        # candidates in eager order, per depth: target token id, parent (-1: the root), cumulative log-prob,
         # effective score (never above the parent's), the feature expanding it reads (its parent's), and the
         # slots it may see when expanded (the committed prefix and its expanded ancestors)
         p, index = tree_probs(m.head(root_feature), GREEDY).topk(width)
         score = p[0].double().log()
-        ids, parents, scores, effective = [index[0]], [torch.full_like(index[0], -1)], [score], [score]
+        ids = [index[0] if keep is None else keep[index[0]]]
+        parents, scores, effective = [torch.full_like(index[0], -1)], [score], [score]
         feeds = [root_feature.expand(width, -1)]
         sees = [(self.key_slot < root).expand(width, L)]
         start = 0  # first candidate of the frontier (the last depth's)
@@ -106,14 +108,12 @@ class StaticEagleTree:
             chosen = frontier[eff[start:].sort(descending=True, stable=True).indices[:width]]
             slots = root + (level - 1) * width + self.key_slot[:width]
             node_sees = torch.cat(sees)[chosen] | (self.key_slot[None, :] == slots[:, None])  # [w, L]
-            tokens = torch.cat(ids)[chosen]
-            tokens = tokens if m.head.keep_ids is None else m.head.keep_ids[tokens]
-            f = m.step(tokens[None], torch.cat(feeds)[chosen][None], (root + level).expand(width)[None], cache,
+            f = m.step(torch.cat(ids)[chosen][None], torch.cat(feeds)[chosen][None], (root + level).expand(width)[None], cache,
                        slots[None], L, node_sees[None, None])[0][0]  # [w, H]
             p, index = tree_probs(m.head(f), GREEDY).topk(width)  # [w, w], each row in draw order
             score = torch.cat(scores)[chosen][:, None] + p.double().log()
             start = eff.numel()
-            ids.append(index.flatten())
+            ids.append(index.flatten() if keep is None else keep[index.flatten()])
             parents.append(chosen.repeat_interleave(width))
             scores.append(score.flatten())
             effective.append(torch.minimum(eff[chosen][:, None], score).flatten())
@@ -126,6 +126,4 @@ class StaticEagleTree:
         renumbered[kept] = torch.arange(kept.numel(), device=kept.device)
         kept_parent = parent[kept]
         tree_parents = torch.where(kept_parent >= 0, renumbered[kept_parent.clamp(min=0)], -1)
-        tokens = torch.cat(ids)[kept]
-        tokens = tokens if m.head.keep_ids is None else m.head.keep_ids[tokens]
-        return tokens, tree_parents, eff[kept]
+        return torch.cat(ids)[kept], tree_parents, eff[kept]

@@ -135,19 +135,18 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
     notes on the rows: why one was left out or differs."""
     from runtime.cuda_graphs import GraphedGreedyDecoder
 
-    notes = []
+    static, why = static_verify_config(cfg)
+    notes = [why] if why and drafter is not None else []
+    if not params.greedy:
+        notes.append("ours_ar_graph left out: the graphed decoder is greedy only")
     for suffix in ("", "_compiled") if compiled else ("",):
         if params.greedy:
             decoder = GraphedGreedyDecoder(target, cfg.max_seq_len, compile=bool(suffix))
             methods["ours_ar_graph" + suffix] = \
                 lambda ids, gen, decoder=decoder: (decoder.generate(ids, max_new_tokens, stops), None)
-        elif not suffix:
-            notes.append("ours_ar_graph left out: the graphed decoder is greedy only")
         if drafter is not None:
-            static, why = static_verify_config(cfg)
             engine = Engine(target, drafter(), replace(static, compile_static=bool(suffix)))
             methods["ours_spec_graph" + suffix] = engine_method(engine, max_new_tokens, params, stops)
-            notes += [why] if why and not suffix else []
     return notes
 
 

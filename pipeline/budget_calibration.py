@@ -20,6 +20,10 @@ tree without the lookup branch (1.52x there, 1.23x on validate's prompts) over t
 1.59x on validate's), and eight of 64 tokens picked the 2-chain + lookup 8 cut to 5 (1.72x in validate) over 2x2/4
 + lookup 8 cut to 5 (1.90x on validate's prompts), since how much the branch gains depends on how much the prompts
 repeat and on how long the reply grows.
+
+A GPU wants a bigger tree than the CPU (a wider verify costs it little more), and tau does not depend on the device:
+so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their tau on
+every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.device_budget).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from tqdm import tqdm
 
 from runtime.drafter import DraftBudget
 from runtime.engine import Engine, EngineConfig, tokens_per_forward
@@ -39,6 +45,10 @@ LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 
 # of 6 or 12 rows fills the CPU kernel's 6-row tiles (kernels/cpu_gemm), and the cap keeps the likeliest nodes of
 # the drafter's and the lookup's (a 2x3/6 tree + lookup 8 cut to 5 simulated 6-8% faster than uncut 2x2/4 + 8)
 TREE_CAPS = {5: range(2, 7), 11: range(4, 13)}
+# (depth, width, nodes, max_tree) trees a GPU may prefer, whose tau calibrate measures on every prompt for the
+# serving device to time (runtime.device_budget): a GPU verifies a bucket of rows at about one cost (16 rows 1.3x a
+# decode token on the H200; runtime.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
+DEVICE_LADDER = ((2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0))
 PROMPTS_PER_ROUND = 2  # successive halving: every candidate runs the first 2 prompts, the better half 2 more, ...
 
 
@@ -53,6 +63,17 @@ def candidates(configured: DraftBudget, lookups: tuple[int, ...] = (0,)) -> list
     cut = [(b, False, cap) for cap, sizes in TREE_CAPS.items() for b in out if b.max_nodes in sizes]
     return [(b, adaptive, lookup, 0) for lookup in lookups for b, adaptive in trees] + \
         [(b, adaptive, lookup, cap) for lookup in lookups if lookup for b, adaptive, cap in cut]
+
+
+def device_ladder(configured: DraftBudget, lookup: int) -> list[tuple[DraftBudget, bool, int, int]]:
+    """(budget, adaptive, lookup, max_tree) candidates of DEVICE_LADDER within the configured budget, with the
+    lookup branch; a cap the tree and branch cannot reach is none."""
+    out = []
+    for d, w, n, cap in DEVICE_LADDER:
+        c = (DraftBudget(depth=d, width=w, nodes=n), False, lookup, cap if cap < n + lookup else 0)
+        if d <= configured.depth and w <= configured.width and n <= configured.max_nodes and c not in out:
+            out.append(c)
+    return out
 
 
 def preference(row: dict, min_tau: float, min_speedup: float = 0.0, tau_margin: float = 0.0) -> tuple:
@@ -126,15 +147,27 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
 
     totals, baseline = successive_halving(
         len(cands), prompts, run, lambda t, base: preference(row(t, base), min_tau, min_speedup, tau_margin))
-    sweep = [{"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": adaptive, "lookup": lookup,
-              "max_tree": cap, **row(t, t["baseline"])} for (b, adaptive, lookup, cap), t in zip(cands, totals)]
+    sweep = [{**shape(c), **row(t, t["baseline"])} for c, t in zip(cands, totals)]
     ar_rate = baseline["new_tokens"] / baseline["seconds"]
     best = choose_budget([r for r in sweep if r["prompts"] == len(prompts)], min_tau, min_speedup, tau_margin)
-    chosen = {k: best[k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
+    chosen = {k: best[k] for k in SHAPE}
+
+    def tau_row(c: tuple[DraftBudget, bool, int, int]) -> dict:
+        e, new, forwards = engine(new_drafter(), *c), 0, 0
+        for ids in prompts:
+            g = e.generate(ids, new_tokens, SamplingParams(), None, stop_ids)
+            new, forwards = new + len(g.tokens), forwards + g.metrics.target_forwards
+        return {**shape(c), "tau": tokens_per_forward(new, len(prompts), forwards), "prompts": len(prompts)}
+
+    # the chosen budget and bigger trees, tau on every prompt: a serving GPU times a step of each and chooses
+    ladder = [c for c in device_ladder(configured, max(lookups)) if shape(c) != chosen]
+    device = [{**chosen, "tau": best["tau"], "prompts": best["prompts"]}] + \
+        [tau_row(c) for c in tqdm(ladder, desc="calibrate: tau of device budgets", unit="budget", mininterval=1.0)]
     report = {"chosen": chosen, "min_tau": min_tau, "min_speedup": min_speedup, "tau_margin": tau_margin,
               "tokens_per_s_ar": ar_rate,
               "dtype": str(target.dtype).removeprefix("torch."), "prompts": len(prompts),
-              "prompts_per_round": PROMPTS_PER_ROUND, "new_tokens": new_tokens, "sweep": sweep}
+              "prompts_per_round": PROMPTS_PER_ROUND, "new_tokens": new_tokens, "sweep": sweep,
+              "device_candidates": device}
     (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_budgets(sweep, out / "draft_budget.png")
     metrics = {"budget_speedup": best["speedup"], "budget_tokens_per_s": best["tokens_per_s"],
@@ -144,6 +177,16 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
             f"draft budget {budget_label(best)}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
             + (")" if best["tau"] >= min_tau and best["speedup"] >= min_speedup else
                f"; none reaches tau {min_tau:.2f} at {min_speedup:.2f}x)"))
+
+
+SHAPE = ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")  # a budget's keys in draft_budget.json
+
+
+def shape(c: tuple[DraftBudget, bool, int, int]) -> dict:
+    """A (budget, adaptive, lookup, max_tree) candidate as draft_budget.json keys (SHAPE)."""
+    b, adaptive, lookup, cap = c
+    return {"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": adaptive, "lookup": lookup,
+            "max_tree": cap}
 
 
 def budget_label(b: dict) -> str:

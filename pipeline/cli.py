@@ -143,6 +143,9 @@ def _bench_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
+DEVICE_BUDGET = "device"  # --budget: chosen by timing the bundle's device candidates (runtime.device_budget)
+
+
 def _budget(text: str) -> dict:
     """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> EngineConfig fields (runtime.drafter.budget_fields)."""
     from runtime.drafter import budget_fields
@@ -175,22 +178,29 @@ def cmd_bench(args) -> int:
         raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
     target_dir = resolve_target(args.target)
     factory = ngram_drafter_factory
-    chosen = _budget(args.budget) if args.budget else None
+    on_device = args.budget == DEVICE_BUDGET
+    chosen = _budget(args.budget) if args.budget and not on_device else None
     default = DraftBudget(depth=5)  # ngram and bundles without a calibrated budget, unless --budget
-    fields = chosen or {"budget": default}
+    fields, candidates = chosen or {"budget": default}, []
     if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
         bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
         factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
         fields = bundle.engine_settings(default, chosen)  # as serving runs it, unless --budget
         if args.specattn_top_p is not None:
             fields = {k: v for k, v in fields.items() if k != "sparse"} | bundle.sparse_settings(args.specattn_top_p)
+        candidates = bundle.device_candidates(fields) if on_device else []
+        if on_device and not candidates:
+            raise DraftsmithError(f"--budget device: bundle {args.drafter} lists no device candidates (calibrated "
+                                  "before they were measured: rerun calibrate and export)")
+    elif on_device:
+        raise DraftsmithError("--budget device needs a bundle (--drafter DIR) with calibrated device candidates")
     elif args.specattn_top_p is not None:
         raise DraftsmithError("--specattn-top-p needs a bundle (--drafter DIR) with a SpecAttn layer map")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
                        device=str(device), graphs=not args.no_graphs, engine_fields=fields, drafter_factory=factory,
-                       compiled=args.compile)
+                       compiled=args.compile, device_candidates=candidates)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0
@@ -235,10 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(validate writes its prompts so: runs/<id>/validate/prompts.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--budget", metavar="DxW[/N][+L][@T]",
+    b.add_argument("--budget", metavar="DxW[/N][+L][@T]|device",
                    help="draft budget instead of the bundle's calibrated one (default for ngram and uncalibrated "
                         "bundles: a depth-5 chain): depth x width, at most N nodes, L lookup nodes, a verify of at "
-                        "most T nodes; e.g. 2x3/6+8@5")
+                        "most T nodes; e.g. 2x3/6+8@5. 'device': the bundle's device candidate that runs fastest "
+                        "on this device, timed first (as serving on a GPU chooses)")
     b.add_argument("--specattn-top-p", type=float, metavar="P",
                    help="verify sparsely (SpecAttn) with the bundle's layer map at this draft top-p instead of the "
                         "calibrated one (1.0: dense); lossy by design")

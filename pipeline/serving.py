@@ -2,7 +2,8 @@
 
 The pyfunc holds only the bundle (an artifact) and the target's spec (model_config): at load it resolves the
 target, checks that the bundle was built for exactly these weights, and runs our own speculative engine: on a GPU
-where one is present ($DRAFTSMITH_DEVICE=cpu|cuda chooses), there with every verify and draft step a CUDA graph.
+where one is present ($DRAFTSMITH_DEVICE=cpu|cuda chooses), there with every verify and draft step a CUDA graph
+and the draft budget that runs fastest there ($DRAFTSMITH_BUDGET=calibrated|device chooses).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from pipeline.errors import DraftsmithError
 from pipeline.tracking import tracking_uri
 
 DEVICE_ENV = "DRAFTSMITH_DEVICE"
+BUDGET_ENV = "DRAFTSMITH_BUDGET"
+BUDGET_SOURCES = ("calibrated", "device")
 
 
 def serving_device():
@@ -31,6 +34,16 @@ def serving_device():
     if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
         raise DraftsmithError(f"${DEVICE_ENV}={name!r}: expected cpu, or cuda on a machine where torch sees a GPU")
     return torch.device(name)
+
+
+def budget_source(device) -> str:
+    """$DRAFTSMITH_BUDGET: `calibrated` serves the budget calibrate chose by CPU speed, `device` times the bundle's
+    device candidates here and serves the fastest (runtime.device_budget); default: device on CUDA, where the CPU's
+    choice is too small, calibrated on the CPU."""
+    name = os.environ.get(BUDGET_ENV) or ("device" if device.type == "cuda" else "calibrated")
+    if name not in BUDGET_SOURCES:
+        raise DraftsmithError(f"${BUDGET_ENV}={name!r}: expected one of {', '.join(BUDGET_SOURCES)}")
+    return name
 
 
 def serving_config(fields: dict, max_seq_len: int, device):
@@ -68,8 +81,9 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from transformers import AutoTokenizer
 
         from pipeline.sources import resolve_target, target_fingerprint
-        from runtime.bench import stop_ids
+        from runtime.bench import default_bench_prompts, stop_ids
         from runtime.bundle import read_bundle
+        from runtime.device_budget import choose_on_device, describe
         from runtime.drafter import DraftBudget
         from runtime.drafters import build_drafter
         from runtime.engine import Engine
@@ -84,10 +98,18 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         # validate's precision, resolved on this device; models registered before it was recorded ran fp32
         dtype = float_dtype(settings.get("precision", "fp32"), device)
         target = Transformer.from_pretrained(target_dir, dtype=dtype, device=device)
-        engine_cfg = serving_config(bundle.engine_settings(DraftBudget(**settings["budget"])),
-                                    target.max_seq_len, device)  # serve the target's whole context
-        self.engine = Engine(target, build_drafter(bundle, target, engine_cfg.max_seq_len), engine_cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        max_len = target.max_seq_len  # serve the target's whole context
+        fields = bundle.engine_settings(DraftBudget(**settings["budget"]))
+        candidates = bundle.device_candidates(fields) if budget_source(device) == "device" else []
+        if candidates:
+            best, report = choose_on_device(target, lambda: build_drafter(bundle, target, max_len), candidates,
+                                            self._prompt_ids(default_bench_prompts()[0]),
+                                            lambda f: serving_config(f, max_len, device))
+            fields = candidates[best][1]
+            print(describe(report), file=sys.stderr)
+        engine_cfg = serving_config(fields, max_len, device)
+        self.engine = Engine(target, build_drafter(bundle, target, max_len), engine_cfg)
         self.stop_ids = stop_ids(self.tokenizer)
         self.max_new_tokens = int(settings["max_new_tokens"])  # a row without max_new_tokens gets validate's
         self.lock = threading.Lock()  # one engine, one KV cache: requests take turns

@@ -17,6 +17,7 @@ import torch
 
 from runtime.attention import pick_backend
 from runtime.device import synchronizer
+from runtime.device_budget import NEW_TOKENS, choose_on_device, describe
 from runtime.drafter import DraftBudget, Drafter
 from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
 from runtime.model import Transformer
@@ -71,11 +72,14 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
               max_new_tokens: int = 128, temperature: float = 0.0, *, dtype: torch.dtype = torch.float32,
               device: str = "cpu", graphs: bool = True, engine_fields: dict | None = None,
               drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
-              seed: int = 0, print_table: bool = True, compiled: bool = False) -> dict:
+              seed: int = 0, print_table: bool = True, compiled: bool = False,
+              device_candidates: list[tuple[dict, dict]] = ()) -> dict:
     """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine, the
     engines built with `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings; default: a
     depth-5 chain). A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a
-    CUDA device with `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile)."""
+    CUDA device with `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile).
+    With `device_candidates` (Bundle.device_candidates), the engines run the one whose step, timed here first as
+    serving runs it (graphed on CUDA), gives the most tokens/s (runtime.device_budget)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
@@ -85,18 +89,28 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
     fields = engine_fields or {"budget": DraftBudget(5)}
-    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + fields["budget"].max_nodes + 1
+    nodes = max(f["budget"].max_nodes for f in [fields] + [f for _, f in device_candidates])
+    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + nodes + 1
 
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    with_graphs = graphs and target.device.type == "cuda"
+    drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
+    device_budget = None
+    if device_candidates and drafter is not None:
+        def served(f: dict) -> EngineConfig:
+            cfg = EngineConfig(max_seq_len=max_seq_len, **f)
+            return static_verify_config(cfg)[0] if with_graphs else cfg
+
+        best, device_budget = choose_on_device(target, drafter, list(device_candidates), prompt_ids[0], served,
+                                               new_tokens=min(NEW_TOKENS, max_new_tokens))
+        fields = device_candidates[best][1]
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
     methods: dict[str, Method] = {
         "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stops, gen), None),
         "ours_ar": engine_method(Engine(target, None, replace(cfg, sparse=None)), max_new_tokens, params, stops)}
-    drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
     if drafter is not None:
         methods["ours_spec"] = engine_method(Engine(target, drafter(), cfg), max_new_tokens, params, stops)
-    with_graphs = graphs and target.device.type == "cuda"
     notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops, compiled) if with_graphs \
         else ["compiled rows left out: they are CUDA-graph rows (a CUDA device, graphs on)"] if compiled else []
 
@@ -112,7 +126,7 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
         "weight_bytes_per_token": weight_bytes_per_token(target), "floor_ms_per_token": floor_ms,
         "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results, "notes": notes,
         "attention_backend": pick_backend(target.device).name,
-        "specattn": None if cfg.sparse is None else asdict(cfg.sparse)}
+        "specattn": None if cfg.sparse is None else asdict(cfg.sparse), "device_budget": device_budget}
     if print_table:
         print_report(report)
     return report
@@ -310,5 +324,7 @@ def print_report(report: dict) -> None:
         saved = {name: f"{100 * r['kv_saved']:.0f}%" for name, r in report["methods"].items() if "kv_saved" in r}
         console.print(f"SpecAttn sparse verification at draft top-p {report['specattn']['top_p']:g} (lossy by "
                       f"design), attention backend {report['attention_backend']}; KV reads skipped: {saved}")
+    if report.get("device_budget"):
+        console.print(describe(report["device_budget"]))
     for note in report.get("notes", []):
         console.print(f"note: {note}")

@@ -74,13 +74,23 @@ class Bundle:
         gives them) replaces the calibrated budget."""
         fields = {"budget": budget, **self.kv_settings(), **self.sparse_settings()}
         if self.has(DRAFT_BUDGET):
-            chosen = json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"]
-            fields |= {"budget": DraftBudget(depth=chosen["depth"], width=chosen["width"], nodes=chosen["nodes"]),
-                       "adaptive": chosen["adaptive"], "lookup": chosen.get("lookup", 0),  # older bundles: none
-                       "max_tree": chosen.get("max_tree", 0)}
-        fields |= override or {}
+            fields |= budget_settings(json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"])
+        return self.with_budget(fields, override or {})
+
+    def with_budget(self, fields: dict, budget: dict) -> dict:
+        """`fields` with the budget fields `budget` (budget_settings, budget_fields) and the lookup corpus its branch
+        drafts from, where the bundle has one."""
+        fields = {k: v for k, v in fields.items() if k != "lookup_corpus"} | budget
         corpus = self.lookup_corpus(fields.get("lookup", 0))
         return fields if corpus is None else fields | {"lookup_corpus": corpus}
+
+    def device_candidates(self, fields: dict) -> list[tuple[dict, dict]]:
+        """The draft budgets calibrate measured tau for on every prompt, for a device to time and choose among
+        (runtime.device_budget.choose_on_device): (draft_budget.json row, `fields` with that budget) pairs; [] for
+        bundles without them."""
+        rows = json.loads(self.path(DRAFT_BUDGET).read_text()).get("device_candidates", []) \
+            if self.has(DRAFT_BUDGET) else []
+        return [(row, self.with_budget(fields, budget_settings(row))) for row in rows]
 
     def lookup_corpus(self, lookup: int):
         """The lookup branch's corpus trie for a branch of `lookup` nodes (runtime.ngram.NgramDrafter); None
@@ -95,6 +105,13 @@ class Bundle:
         from safetensors.torch import load_file
 
         return load_file(str(self.path(name)))
+
+
+def budget_settings(row: dict) -> dict:
+    """EngineConfig fields of a draft_budget.json entry (chosen, a sweep row or a device candidate): the tree, whether
+    the engine adapts it, the lookup branch and the verify cap (older bundles have neither)."""
+    return {"budget": DraftBudget(depth=row["depth"], width=row["width"], nodes=row["nodes"]),
+            "adaptive": row["adaptive"], "lookup": row.get("lookup", 0), "max_tree": row.get("max_tree", 0)}
 
 
 def kv_engine_fields(kv_quant: dict) -> dict:

@@ -49,6 +49,12 @@ def budget_fields(text: str) -> dict:
     return {"budget": budget, "adaptive": False, "lookup": lookup, "max_tree": max_tree}
 
 
+def budget_spec(row: dict) -> str:
+    """The spec budget_fields reads, of a draft budget entry (depth, width, nodes, lookup, max_tree): 2x3/6+8@5."""
+    return f"{row['depth']}x{row['width']}/{row['nodes']}" + f"+{row['lookup']}" * bool(row.get("lookup")) \
+        + f"@{row['max_tree']}" * bool(row.get("max_tree"))
+
+
 class Drafter(abc.ABC):
     """Proposes draft trees below the root, the last committed token (not yet in the target KV cache).
 

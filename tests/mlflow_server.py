@@ -77,14 +77,15 @@ def mlflow_server(root: Path) -> Iterator[str]:
 
 
 def validated_run(cfg, run_id: str, speedup: float, *, validation_digest: str = "prompts-a", passed: bool = True,
-                  target_fingerprint: str = "target-fp") -> RunStore:
-    """A run store holding what export and validate leave behind: a bundle and a validation report."""
+                  target_fingerprint: str = "target-fp", extra_files: dict | None = None) -> RunStore:
+    """A run store holding what export and validate leave behind: a bundle (an n-gram drafter, with `extra_files`)
+    and a validation report."""
     store = RunStore(cfg.run.dir, run_id)
 
     def export(out):
         write_bundle(out / "bundle", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint=target_fingerprint,
                      data_digest=f"data-{run_id}", config={"drafter": {"kind": "ngram"}, "run": run_id},
-                     code_version="test-code")
+                     code_version="test-code", extra_files=extra_files)
         return StageResult(outputs={"bundle": "bundle"})
 
     def validate(out):

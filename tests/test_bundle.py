@@ -147,3 +147,29 @@ def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_dra
     bench = {"budget": DraftBudget(2, 1, 2), "adaptive": False, "lookup": 4, "max_tree": 0}  # pipeline bench --budget
     assert read_bundle(tmp_path / "b0").engine_settings(DraftBudget(depth=6), bench)["lookup_corpus"].max_depth == 4
     assert "lookup_corpus" not in read_bundle(tmp_path / "b8").engine_settings(DraftBudget(6), bench | {"lookup": 0})
+
+
+def test_device_candidates_carry_each_budget_its_lookup_corpus_and_the_other_settings(tmp_path):
+    from runtime.ngram import save_corpus
+
+    save_corpus(tmp_path / "lookup_corpus.safetensors", [torch.tensor([5, 6, 7, 8])], vocab_size=100)
+    chosen = {"depth": 1, "width": 3, "nodes": 3, "adaptive": True, "lookup": 0, "max_tree": 0}
+    wide = {"depth": 4, "width": 2, "nodes": 8, "adaptive": False, "lookup": 8, "max_tree": 15}
+    report = {"chosen": chosen, "sweep": [], "device_candidates": [chosen | {"tau": 2.1}, wide | {"tau": 3.4}]}
+    (tmp_path / "draft_budget.json").write_text(json.dumps(report))
+    (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int8", "recent": 16, "candidates": []}))
+    extra = {n: tmp_path / n for n in ("draft_budget.json", "kv_quant.json", "lookup_corpus.safetensors")}
+    write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="dd",
+                 config={}, code_version="test", extra_files=extra)
+    bundle = read_bundle(tmp_path / "b")
+    fields = bundle.engine_settings(DraftBudget(depth=6))
+    (row1, first), (row2, second) = bundle.device_candidates(fields)
+    assert (row1["tau"], row2["tau"]) == (2.1, 3.4) and first == fields  # the calibrated budget as it is served
+    assert {k: v for k, v in second.items() if k != "lookup_corpus"} == {
+        "budget": DraftBudget(4, 2, 8), "adaptive": False, "lookup": 8, "max_tree": 15, "kv_scheme": "int8",
+        "kv_recent": 16}
+    assert second["lookup_corpus"].max_depth == 8 and "lookup_corpus" not in first  # the branch's corpus, sized
+    (tmp_path / "draft_budget.json").write_text(json.dumps({"chosen": chosen, "sweep": []}))  # calibrated before
+    write_bundle(tmp_path / "old", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="dd",
+                 config={}, code_version="test", extra_files={"draft_budget.json": tmp_path / "draft_budget.json"})
+    assert read_bundle(tmp_path / "old").device_candidates(fields) == []

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from export.layer_map import DENSE, LayerMap
-from pipeline.budget_calibration import candidates, choose_budget, successive_halving
+from pipeline.budget_calibration import candidates, choose_budget, device_ladder, successive_halving
 from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
 from pipeline.config import Config
 from pipeline.kv_calibration import choose_kv_scheme, decode_ms, kv_message, quantized_nll
@@ -195,6 +195,24 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
     assert m["budget_speedup"] == fastest["tokens_per_s"] / budget["tokens_per_s_ar"]
     assert (ctx.out / "draft_budget.png").stat().st_size > 1000 and "draft_budget" in result.outputs
+    # for a serving GPU to time: the chosen budget, then the device ladder's trees within 4x2/8, tau on every prompt
+    device = budget["device_candidates"]
+    assert device[0] == budget["chosen"] | {"tau": fastest["tau"], "prompts": FAST.budget_prompts}
+    ladder = {"depth": 4, "width": 2, "nodes": 8, "adaptive": False, "lookup": lookup, "max_tree": 15}
+    assert [{k: r[k] for k in ladder} for r in device[1:]] == ([ladder] if ladder != budget["chosen"] else [])
+    assert all(r["tau"] >= 1.0 and r["prompts"] == FAST.budget_prompts for r in device)
+
+
+def test_the_device_ladder_stays_within_the_configured_budget_and_drops_caps_it_cannot_reach():
+    full = device_ladder(DraftBudget(6, 4, 24), 16)
+    assert [(b.depth, b.width, b.max_nodes, cap) for b, _, _, cap in full] == [
+        (2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0)]
+    assert all(not adaptive and lookup == 16 for _, adaptive, lookup, _ in full)
+    no_lookup = device_ladder(DraftBudget(6, 4, 24), 0)  # 24 nodes never reach a cap of 31: one uncut 6x4/24
+    assert [(b.depth, b.width, b.max_nodes, cap) for b, _, _, cap in no_lookup] == [
+        (2, 3, 6, 0), (3, 3, 9, 0), (4, 2, 8, 0), (4, 4, 16, 0), (6, 4, 24, 0)]
+    assert [(b.depth, b.width, cap) for b, _, _, cap in device_ladder(DraftBudget(3, 3, 9), 4)] == [
+        (2, 3, 0), (3, 3, 0)]
 
 
 def test_the_budget_is_the_fastest_that_clears_the_gate_floors():

@@ -136,6 +136,43 @@ def test_bench_cli_writes_report(tmp_path):
     assert (report["weight_bytes_per_token"] < 300e6) == bf16  # bf16 halves the weights
 
 
+def device_budget_bundle(out, fingerprint: str, candidates: bool = True):
+    """An n-gram bundle whose calibrated budget is a chain, with two device candidates (tau made up: the wider
+    one's far outweighs any step cost) unless `candidates` is false."""
+    from export.bundle import write_bundle
+
+    chain = {"depth": 1, "width": 1, "nodes": 1, "adaptive": False, "lookup": 0, "max_tree": 0}
+    report = {"chosen": chain, "sweep": []}
+    if candidates:
+        report["device_candidates"] = [chain | {"tau": 1.1}, chain | {"depth": 3, "nodes": 3, "tau": 90.0}]
+    out.mkdir()
+    (out / "draft_budget.json").write_text(json.dumps(report))
+    write_bundle(out / "b", {"kind": "ngram", "max_ngram": 3}, None, target_fingerprint=fingerprint,
+                 data_digest="d", config={}, code_version="t", extra_files={"draft_budget.json": out / "draft_budget.json"})
+    return out / "b"
+
+
+@pytest.mark.slow
+def test_bench_budget_device_runs_the_bundles_fastest_candidate(tmp_path, smollm2_dir, capsys):
+    from pipeline.cli import main
+    from pipeline.sources import target_fingerprint
+
+    bundle = device_budget_bundle(tmp_path / "with", target_fingerprint(smollm2_dir))
+    (tmp_path / "p.txt").write_text("Say hello.\n")
+    res = pipeline("bench", "--drafter", str(bundle), "--budget", "device", "--prompts", "p.txt", "--max-new-tokens",
+                   "8", "--dtype", "float32", "--out", "b.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["device_budget"]["chosen"] == "3x1/3" and len(report["device_budget"]["candidates"]) == 2
+    assert report["methods"]["ours_spec"]["same_tokens_as_ours_ar"] is True
+    assert "draft budget on cpu: 3x1/3" in " ".join(res.stdout.split())
+    old = device_budget_bundle(tmp_path / "without", target_fingerprint(smollm2_dir), candidates=False)
+    for drafter, expected in ((None, "--budget device needs a bundle"), ("ngram", "--budget device needs a bundle"),
+                              (str(old), f"--budget device: bundle {old} lists no device candidates")):
+        assert main(["bench", "--budget", "device", *(["--drafter", drafter] if drafter else [])]) == 2
+        assert expected in " ".join(capsys.readouterr().err.split())
+
+
 def test_bench_prompts_file_lines_and_its_errors(tmp_path):
     from pipeline.cli import _bench_prompts
 

@@ -15,7 +15,8 @@ from mlflow_server import free_port, run_stage, stop, validated_run, wait_health
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
-from pipeline.serving import DEVICE_ENV, serve_invocation, serving_config, serving_device
+from pipeline.serving import (BUDGET_ENV, DEVICE_ENV, budget_source, serve_invocation, serving_config,
+                              serving_device)
 from pipeline.sources import target_fingerprint
 from runtime.precision import float_dtype
 from runtime.bundle import BundleError
@@ -151,3 +152,36 @@ def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(mo
         monkeypatch.setenv(DEVICE_ENV, bad)
         with pytest.raises(DraftsmithError, match=f"DRAFTSMITH_DEVICE={bad!r}: expected cpu, or cuda"):
             serving_device()
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    assert (budget_source(torch.device("cuda")), budget_source(torch.device("cpu"))) == ("device", "calibrated")
+    monkeypatch.setenv(BUDGET_ENV, "fastest")
+    with pytest.raises(DraftsmithError, match="DRAFTSMITH_BUDGET='fastest': expected one of calibrated, device"):
+        budget_source(torch.device("cpu"))
+
+
+def test_pyfunc_serves_the_device_candidate_that_runs_fastest_here(tmp_path, tiny_chat_target, monkeypatch):
+    """$DRAFTSMITH_BUDGET=device (the default on a GPU): the candidates are timed at load and the one with the most
+    tokens/s served; its tau (from calibrate, made up here) outweighs any step cost. Output stays plain greedy."""
+    import mlflow
+
+    from runtime.drafter import DraftBudget
+
+    chain = {"depth": 1, "width": 1, "nodes": 1, "adaptive": False, "lookup": 0, "max_tree": 0}
+    wide = {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 4, "max_tree": 5}
+    report = {"chosen": chain, "sweep": [], "device_candidates": [chain | {"tau": 1.1}, wide | {"tau": 90.0}]}
+    (tmp_path / "draft_budget.json").write_text(json.dumps(report))
+    cfg = registry_cfg(tmp_path, tiny_chat_target)
+    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target),
+                          extra_files={"draft_budget.json": tmp_path / "draft_budget.json"})
+    model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
+    served = {}
+    for source in ("device", "calibrated"):
+        monkeypatch.setenv(BUDGET_ENV, source)
+        served[source] = mlflow.pyfunc.load_model(model_uri)
+    device, calibrated = (served[s].unwrap_python_model().engine.cfg for s in ("device", "calibrated"))
+    assert (device.budget, device.lookup, device.max_tree) == (DraftBudget(3, 2, 6), 4, 5)
+    assert (calibrated.budget, calibrated.lookup) == (DraftBudget(1, 1, 1), 0)
+    prompt = "w5 w6 w7 w5 w6 w7 w5 w6"
+    answer = served["device"].predict(pd.DataFrame([{"prompt": prompt, "max_new_tokens": 24.0}]))
+    dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))
+    assert answer == plain_greedy(tiny_chat_target, [prompt], 24, dtype)

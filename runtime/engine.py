@@ -185,7 +185,8 @@ class Engine:
         stats = _Stats(cfg)
         stopped = root in stop
         while len(out) < max_new_tokens and not stopped:
-            room = min(cfg.max_seq_len - int(cache.lengths[0]) - 1, max_new_tokens - len(out) - 1)
+            n_cached = int(cache.lengths[0])  # read from the device once a step, for room and n_live
+            room = min(cfg.max_seq_len - n_cached - 1, max_new_tokens - len(out) - 1)
             if isinstance(cache, QuantizedKVCache):  # one quantisation boundary per verify keeps it lossless
                 room = min(room, cache.exact_depth())
             tree = DraftTree.empty(device)
@@ -205,7 +206,7 @@ class Engine:
             length = cache.lengths[0]
             tokens = torch.cat([torch.tensor([root], device=device), tree.tokens])[None]
             positions = length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths()])[None]
-            n_live = int(length) + tokens.shape[1]
+            n_live = n_cached + tokens.shape[1]
             # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
             keep = self._kept_keys(cache.max_len if self.static is not None else n_live) \
                 if cfg.sparse is not None and len(tree) else None
@@ -220,7 +221,7 @@ class Engine:
             stats.verify_s += clock.lap()
 
             rows = [0] + [i + 1 for i in verdict.accepted]  # the root's and the accepted nodes' slots
-            cache.compact(torch.tensor(rows, device=device))
+            cache.compact(rows)
             stats.rollback_s += clock.lap()
 
             committed = tree.tokens[verdict.accepted].tolist() + [verdict.next_token]

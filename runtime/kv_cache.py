@@ -76,20 +76,19 @@ class KVCache:
             raise ValueError(f"KVCache: advancing by {n} overflows the cache length {self.max_len}")
         self.lengths.copy_(lengths)
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: list[int] | torch.Tensor) -> None:
         """Keep only the written slots at offsets `keep` [k] (ascending, relative to each sequence's length):
-        they move, in place and in every layer, to offsets 0..k-1; lengths advance by k."""
-        keep = keep.to(device=self.lengths.device, dtype=torch.long)
-        n = keep.numel()
-        if n and (bool((keep[1:] <= keep[:-1]).any()) or int(keep[0]) < 0):
-            raise ValueError(f"KVCache.compact: keep offsets must be ascending and >= 0, got {keep.tolist()}")
-        if n and int(self.lengths.max()) + int(keep[-1]) >= self.max_len:
-            raise ValueError(f"KVCache.compact: offset {int(keep[-1])} lies beyond the cache length {self.max_len}")
-        dst = torch.arange(n, device=keep.device)
-        moved = keep != dst  # a chain's accepted prefix is already in place: nothing to copy
-        if bool(moved.any()):
-            src_slots = self.lengths[:, None] + keep[moved]
-            dst_slots = self.lengths[:, None] + dst[moved]
+        they move, in place and in every layer, to offsets 0..k-1; lengths advance by k. The offsets are checked
+        on the host, so on a GPU this waits for the device once (the bounds check), not once per check."""
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+        n = len(keep)
+        if any(b <= a for a, b in zip(keep, keep[1:])) or (n and keep[0] < 0):
+            raise ValueError(f"KVCache.compact: keep offsets must be ascending and >= 0, got {keep}")
+        if n and int(self.lengths.max()) + keep[-1] >= self.max_len:
+            raise ValueError(f"KVCache.compact: offset {keep[-1]} lies beyond the cache length {self.max_len}")
+        if keep != list(range(n)):  # a chain's accepted prefix is already in place: nothing to copy
+            src_slots = self.lengths[:, None] + torch.tensor(keep, device=self.lengths.device)
+            dst_slots = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
             for cache in (self.k, self.v):
                 # advanced indexing on the right makes a copy first, so overlapping moves are safe
                 cache[:, self.rows, :, dst_slots] = cache[:, self.rows, :, src_slots]

@@ -68,7 +68,7 @@ class LMDrafter(Drafter):
                 if node is None:
                     break
                 keep.append(slots.slot[node] - slots.prefix)
-        self.cache.compact(torch.tensor(keep, dtype=torch.long))
+        self.cache.compact(keep)
         self.pending.append(tokens[len(keep):].long())
         self.tree, self.attention = None, None  # its prefix is the one before this commit
 

@@ -154,7 +154,7 @@ class QuantizedKVCache:
         self.window.advance(n)
         self._quantize_old()
 
-    def compact(self, keep: Tensor) -> None:
+    def compact(self, keep: list[int] | Tensor) -> None:
         """As KVCache.compact; only window (full-precision) slots move, the codes are never touched."""
         self.window.compact(keep)
         self._quantize_old()

@@ -151,11 +151,17 @@ def test_kv_cache_compact_moves_slots_in_place():
     assert cache.k[0, 1, 0, :7, 0].tolist() == [0, 1, 2, 3, 4, 6, 7]
     with pytest.raises(ValueError, match="ascending"):
         cache.compact(torch.tensor([2, 1]))
+    cache.k[1, 0, 0, 5:7, 0] = torch.tensor([50.0, 60.0])  # what a verify wrote after the first row's 5
+    cache.compact([0, 1])  # a host list (as the engine gives it), a prefix already in place
+    assert cache.lengths.tolist() == [7, 9] and cache.k[1, 0, 0, :7, 0].tolist() == [0, 1, 2, 4, 5, 50, 60]
+    with pytest.raises(ValueError, match="offset 1 lies beyond the cache length 10"):
+        cache.compact([0, 1])
+    assert cache.lengths.tolist() == [7, 9]  # a refused compact changes nothing
     with pytest.raises(ValueError, match="exceed the cache length 10"):
         cache.slots(4)
     with pytest.raises(ValueError, match="overflows"):
         cache.advance(4)
-    assert cache.lengths.tolist() == [5, 7]  # a refused advance changes nothing
+    assert cache.lengths.tolist() == [7, 9]  # a refused advance changes nothing
 
 
 def test_kv_cache_rows_view_shares_storage_and_move_row_moves_a_sequence():

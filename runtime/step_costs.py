@@ -3,7 +3,8 @@ EAGLE drafter's graphed tree at each budget (issue #8). The cost model for choos
 
 A speculative step with budget B costs about draft(B) + verify(bucket of 1 + B's verify nodes) + rollback, and
 commits tau(B) tokens, so speculation runs tau(B) x decode / step times the graphed decode. tau(B) does not depend
-on the device (fp32 greedy): calibrate's sweep, or `pipeline bench --budget B`, measures it on the CPU.
+on the device (fp32 greedy): calibrate's device_candidates, or `pipeline bench --budget B`, measure it on the CPU.
+Serving does not use this model: it times whole steps of the candidates on its device (runtime.device_budget).
 On the CPU, where nothing is captured, this times the same steps run eagerly.
 
     python -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 [--compile] [--out costs.json]

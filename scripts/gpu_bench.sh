@@ -3,7 +3,8 @@
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
 # FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend;
 # with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
-# BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's);
+# BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's),
+# or BUDGET=device: with the bundle's device candidate that runs fastest on this GPU, as serving chooses it;
 # QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs, the SmolLM2-shape bf16 bench.
 set -o pipefail
 export PYTHONUNBUFFERED=1

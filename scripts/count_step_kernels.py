@@ -11,26 +11,10 @@ from collections import Counter
 
 import torch
 from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.cuda_graphs import GraphedGreedyDecoder
 from runtime.gpu_bench import random_models, random_prompts
-
-VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",
-         "t", "as_strided", "detach", "alias", "permute", "squeeze", "unbind", "chunk", "reshape", "_reshape_alias"}
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
+from runtime.step_profile import OpCounter
 
 def main() -> None:
     model = random_models("smollm2-135m", torch.float32, "cpu", max_seq_len=256, with_hf=False)[0]

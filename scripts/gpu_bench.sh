@@ -5,7 +5,8 @@
 # with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
 # BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's),
 # or BUDGET=device: with the bundle's device candidate that runs fastest on this GPU, as serving chooses it;
-# QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs, the SmolLM2-shape bf16 bench.
+# QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs, the SmolLM2-shape bf16 bench,
+# and where a graphed speculative step's time goes (runtime.step_profile).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -18,6 +19,8 @@ python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --c
   --out "$OUT/step_costs_bf16_compiled.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/smollm2_bf16.json"
+python3 -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 --budget 2x3/6 \
+  --out "$OUT/step_profile_bf16.json"
 [ -n "$QUICK" ] && exit 0
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
 python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \

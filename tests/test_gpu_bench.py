@@ -10,6 +10,7 @@ from runtime.engine import Engine, EngineConfig
 from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
 from runtime.sampling import SamplingParams
 from runtime.step_costs import step_costs
+from runtime.step_profile import step_profile
 from runtime.tree import DraftTree
 
 
@@ -138,3 +139,17 @@ def test_step_costs_time_every_bucket_and_budget_and_refuse_a_tree_that_does_not
     assert costs["decode_ms"] > 0 and all(ms > 0 for ms in [*costs["verify_ms"].values(), *costs["draft_ms"].values()])
     with pytest.raises(ValueError, match="budget 9x9: its tree does not fit"):  # 8 x 9 expanded nodes
         step_costs("smollm2-135m", torch.float32, "cpu", context=32, budgets=("9x9",), buckets=(1, 8), repeats=1)
+
+
+def test_step_profile_splits_a_step_into_its_phases_and_counts_what_it_dispatches():
+    from runtime.step_profile import main
+
+    p = step_profile("smollm2-135m", torch.float32, "cpu", budget="2x3/6@5", context=16, new_tokens=12)
+    assert p["steps"] >= 1 and p["tau"] == pytest.approx(11 / p["steps"])  # the first token comes from the prefill
+    phases = sum(p[f"{k}_ms"] for k in ("draft", "verify", "rollback", "other"))
+    assert p["ms_a_step"] > 0 and phases == pytest.approx(p["ms_a_step"]) and p["verify_ms"] > 0
+    # on the CPU the static steps run eagerly, so their operators count: 30 layers, each with its projections
+    assert p["ops_a_step"] > 30 * 4 and p["top_ops"]["linear"] >= 30 * 4
+    assert "graph_replays" not in p and "host_waits" not in p  # CUDA only
+    with pytest.raises(SystemExit):
+        main(["--random-weights", "smollm2-135m", "--device", "cpu", "--budget", "0x3"])

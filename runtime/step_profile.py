@@ -1,0 +1,151 @@
+"""Where a speculative step's time goes outside the captured graphs (issue #8): a graphed step of SmolLM2's shape
+cost ~5 ms on the H200 where its graphed decode token cost 2.5 ms, and a 16-row verify graph alone 1.3 decode
+tokens. This profiles the engine as serving runs it (static verify, graphed EAGLE trees; random weights) and says,
+per step: the wall time of each phase, the operators dispatched outside the graphs (each a kernel launch on a GPU),
+and on a GPU the graph replays, kernel launches, device-busy time and every place the host waits for the device
+(torch.cuda's sync debug mode), by file and line. On the CPU, where nothing is captured, the counts include the
+static steps run eagerly.
+
+    python -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 [--budget 2x3/6] [--out p.json]
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runtime.bench import device_name
+from runtime.draft_head import DraftHead
+from runtime.drafter import budget_fields
+from runtime.eagle import EagleDrafter, EagleModel
+from runtime.engine import Engine, EngineConfig
+from runtime.gpu_bench import RANDOM_CONFIGS, random_models, random_prompts, write_report
+
+VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",
+         "t", "as_strided", "detach", "alias", "permute", "squeeze", "unbind", "chunk", "reshape", "_reshape_alias"}
+RUNTIME_CALLS = {"graph_replays": ("cudaGraphLaunch",), "kernel_launches": ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                                            "cuLaunchKernel", "cuLaunchKernelEx"),
+                 "device_syncs": ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"),
+                 "copies": ("cudaMemcpyAsync", "cudaMemcpy")}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched (views left out: they launch nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def sync_sites(on_cuda: bool):
+    """Collects where the host waits for the device: a Counter of 'file:line' (CUDA only; empty elsewhere)."""
+    sites: Counter[str] = Counter()
+    if not on_cuda:
+        yield sites
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+
+def profile_engine(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    """Per-step profile of `engine` generating greedily: phases from an unprofiled run (after a warm-up, which
+    captures the graphs), counts from a profiled one."""
+    engine.generate(prompt, new_tokens)
+    m = engine.generate(prompt, new_tokens).metrics
+    steps = max(1, m.target_forwards)
+    on_cuda = engine.target.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_cuda
+    with sync_sites(on_cuda) as sites, OpCounter() as ops, profile(activities=activities) as prof:
+        profiled = engine.generate(prompt, new_tokens).metrics
+    per = max(1, profiled.target_forwards)
+    events = prof.key_averages()
+    calls = Counter({e.key: e.count for e in events})
+    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events
+                  if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    report = {"steps": steps, "tau": m.tau, "ms_a_step": 1e3 * (m.total_s - m.prefill_s) / steps,
+              **{f"{phase}_ms": 1e3 * getattr(m, f"{phase}_s") / steps for phase in ("draft", "verify", "rollback")},
+              "ops_a_step": sum(ops.ops.values()) / per,
+              "top_ops": {k: v / per for k, v in ops.ops.most_common(12)}}
+    report["other_ms"] = report["ms_a_step"] - sum(report[f"{p}_ms"] for p in ("draft", "verify", "rollback"))
+    if on_cuda:
+        report |= {name: sum(calls[c] for c in names) / per for name, names in RUNTIME_CALLS.items()}
+        report |= {"device_busy_ms": busy_us / 1e3 / per, "host_waits": {k: v / per for k, v in sites.most_common()}}
+    return report
+
+
+@torch.inference_mode()
+def step_profile(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", budget: str = "2x3/6",
+                 context: int = 256, new_tokens: int = 64) -> dict:
+    """Profile the static speculative engine on random weights of RANDOM_CONFIGS[name] with a random EAGLE drafter
+    (few of its nodes are accepted: the phases' costs, not tau, are the point), after `context` prompt tokens."""
+    fields = budget_fields(budget)
+    max_len = context + new_tokens + fields["budget"].max_nodes + fields["lookup"] + 2
+    model = random_models(name, dtype, device, max_len, with_hf=False)[0]
+    eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(model.device).eval()
+    engine = Engine(model, EagleDrafter(eagle, max_len), EngineConfig(max_seq_len=max_len, static_verify=True,
+                                                                        **fields))
+    prompt = random_prompts(model.config.vocab_size, 1, seed=0, lengths=(context, context))[0]
+    return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
+            "torch": torch.__version__, "budget": budget, "context": context, "new_tokens": new_tokens,
+            **profile_engine(engine, prompt, new_tokens)}
+
+
+def print_profile(p: dict) -> None:
+    print(f"{p['target']}, {p['dtype']}, {p['device']}, budget {p['budget']}, {p['context']} tokens of context: "
+          f"{p['steps']} steps, tau {p['tau']:.2f}")
+    print(f"  a step {p['ms_a_step']:.3f} ms: draft {p['draft_ms']:.3f}, verify {p['verify_ms']:.3f}, rollback "
+          f"{p['rollback_ms']:.3f}, the rest {p['other_ms']:.3f}")
+    print(f"  operators dispatched a step {p['ops_a_step']:.1f}: " +
+          ", ".join(f"{k} {v:.1f}" for k, v in p["top_ops"].items()))
+    if "graph_replays" in p:
+        print(f"  a step: {p['graph_replays']:.1f} graph replays, {p['kernel_launches']:.1f} kernel launches, "
+              f"{p['device_syncs']:.1f} synchronize calls, {p['copies']:.1f} copies, device busy "
+              f"{p['device_busy_ms']:.3f} ms")
+        for site, n in p["host_waits"].items():
+            print(f"  host waits at {site}: {n:.2f} a step")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="where a speculative step's time goes (see runtime/step_profile.py)")
+    ap.add_argument("--random-weights", required=True, choices=sorted(RANDOM_CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--device", help="default: cuda when available")
+    ap.add_argument("--budget", default="2x3/6", help="DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE]")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the profiled steps")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", help="write the profile as JSON here")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        p = step_profile(args.random_weights, getattr(torch, args.dtype), device, args.budget, args.context,
+                         args.new_tokens)
+    except ValueError as e:
+        ap.error(str(e))
+    print_profile(p)
+    write_report(args.out, p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

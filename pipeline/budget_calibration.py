@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from runtime.drafter import DraftBudget
+from runtime.drafter import DraftBudget, budget_spec
 from runtime.engine import Engine, EngineConfig, tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
@@ -169,7 +169,7 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
               "prompts_per_round": PROMPTS_PER_ROUND, "new_tokens": new_tokens, "sweep": sweep,
               "device_candidates": device}
     (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_budgets(sweep, out / "draft_budget.png")
+    plot_budgets(sweep, device, out / "draft_budget.png")
     metrics = {"budget_speedup": best["speedup"], "budget_tokens_per_s": best["tokens_per_s"],
                "budget_nodes": float(best["nodes"]), "budget_lookup": float(best["lookup"]),
                "budget_tokens_per_s_ar": ar_rate}
@@ -197,20 +197,26 @@ def budget_label(b: dict) -> str:
         + f", cut to {b['max_tree']}" * bool(b["max_tree"])
 
 
-def plot_budgets(sweep: list[dict], path: Path) -> Path:
+def plot_budgets(sweep: list[dict], device: list[dict], path: Path) -> Path:
+    """Left: each timed candidate's speedup over our AR on this machine. Right: the device candidates' tau, which a
+    serving GPU weighs against its own step times."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(max(6, 0.5 * len(sweep)), 3.5))
-    ax = fig.add_subplot()
-    labels = [f"{r['depth']}x{r['width']}/{r['nodes']}" + ("\nadaptive" if r["adaptive"] else "")
-              + (f"\n+lookup {r['lookup']}" if r.get("lookup") else "")
-              + (f"\ncut to {r['max_tree']}" if r.get("max_tree") else "") for r in sweep]
+    widths = [max(6, 0.35 * len(sweep)), max(3, 0.5 * len(device))]
+    fig = Figure(figsize=(sum(widths), 4))
+    ax, tau_ax = fig.subplots(1, 2, width_ratios=widths)
+    labels = [budget_spec(r) + " adaptive" * r["adaptive"] for r in sweep]
     colors = [("tab:green" if r.get("lookup") else "tab:blue", "tab:olive" if r.get("lookup") else "tab:orange")
               [r["adaptive"]] for r in sweep]
     ax.bar(range(len(sweep)), [r["speedup"] for r in sweep], color=colors)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(sweep)), labels, fontsize="x-small")
-    ax.set(xlabel="draft budget (depth x width / nodes)", ylabel="speedup over our AR (x)",
+    ax.set_xticks(range(len(sweep)), labels, fontsize="x-small", rotation=60, ha="right")
+    ax.set(xlabel="draft budget (depth x width / nodes + lookup nodes @ most nodes a verify)",
+           ylabel="speedup over our AR (x)",
            title="Draft budget: measured speedup")
+    tau_ax.bar(range(len(device)), [r["tau"] for r in device], color=["tab:red"] + ["tab:purple"] * (len(device) - 1))
+    tau_ax.set_xticks(range(len(device)), [budget_spec(r) for r in device], fontsize="x-small", rotation=60,
+                      ha="right")
+    tau_ax.set(ylabel="tau (tokens per target forward)", title="Device candidates (red: chosen here)")
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return path

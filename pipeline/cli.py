@@ -11,7 +11,7 @@ from rich.table import Table
 
 from pipeline.errors import DraftsmithError
 from runtime.bundle import BundleError
-from runtime.gpu_bench import add_arguments as add_random_weights_arguments
+from runtime.gpu_bench import add_arguments as add_random_weights_arguments, default_device
 from runtime.host_memory import keep_freed_memory
 
 console = Console(stderr=True)
@@ -196,7 +196,7 @@ def cmd_bench(args) -> int:
         raise DraftsmithError("--budget device needs a bundle (--drafter DIR) with calibrated device candidates")
     elif args.specattn_top_p is not None:
         raise DraftsmithError("--specattn-top-p needs a bundle (--drafter DIR) with a SpecAttn layer map")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(default_device(args.device))
     report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
                        device=str(device), graphs=not args.no_graphs, engine_fields=fields, drafter_factory=factory,

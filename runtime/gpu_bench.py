@@ -187,10 +187,40 @@ def add_arguments(ap) -> None:
                          "(ours_ar_graph_compiled, ours_spec_graph_compiled; EngineConfig.compile_static)")
 
 
+def step_tool_parser(description: str):
+    """The flags the per-step device tools share (runtime.step_costs, runtime.step_profile)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--random-weights", required=True, choices=sorted(RANDOM_CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--device", help="default: cuda when available")
+    ap.add_argument("--context", type=int, default=256, help="tokens of context before the timed steps")
+    ap.add_argument("--out", help="write the result as JSON here")
+    return ap
+
+
+def run_step_tool(ap, argv: list[str] | None, measure, show) -> int:
+    """Parse a step tool's flags (step_tool_parser), run `measure(args, dtype, device)`, a one-line usage error on a
+    ValueError, `show` the result and write it to --out."""
+    args = ap.parse_args(argv)
+    try:
+        result = measure(args, getattr(torch, args.dtype), default_device(args.device))
+    except ValueError as e:
+        ap.error(str(e))
+    show(result)
+    write_report(args.out, result)
+    return 0
+
+
+def default_device(device: str | None) -> str:
+    """`device`, else cuda where torch sees a GPU, else cpu."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def bench_from_args(args) -> dict:
     return run_random_bench(args.random_weights, args.n_prompts, args.max_new_tokens,
-                            dtype=getattr(torch, args.dtype or "bfloat16"),
-                            device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                            dtype=getattr(torch, args.dtype or "bfloat16"), device=default_device(args.device),
                             budget=DraftBudget(depth=args.depth, width=1), accept_rate=args.accept_rate,
                             graphs=not args.no_graphs, compiled=args.compile)
 

@@ -22,7 +22,7 @@ from runtime.device import synchronizer
 from runtime.draft_head import DraftHead
 from runtime.drafter import budget_fields
 from runtime.eagle import EagleModel
-from runtime.gpu_bench import RANDOM_CONFIGS, random_models, random_prompts, write_report
+from runtime.gpu_bench import random_models, random_prompts, run_step_tool, step_tool_parser
 from runtime.static_draft import StaticEagleTree
 
 BUDGETS = ("1x3/3", "2x1", "2x3/6", "3x3/9", "4x4/16", "6x4/24")
@@ -96,27 +96,13 @@ def print_costs(costs: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="per-step costs of the static steps (see runtime/step_costs.py)")
-    ap.add_argument("--random-weights", required=True, choices=sorted(RANDOM_CONFIGS))
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--device", help="default: cuda when available")
+    ap = step_tool_parser("per-step costs of the static steps (see runtime/step_costs.py)")
     ap.add_argument("--compile", action="store_true", help="each step fused by torch.compile before capture")
-    ap.add_argument("--context", type=int, default=256, help="committed tokens the steps attend to")
     ap.add_argument("--budgets", default=",".join(BUDGETS), help="comma-separated DEPTHxWIDTH[/NODES] draft budgets")
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--out", help="write the costs as JSON here")
-    args = ap.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        costs = step_costs(args.random_weights, getattr(torch, args.dtype), device, args.compile, args.context,
-                           tuple(b for b in args.budgets.split(",") if b), repeats=args.repeats)
-    except ValueError as e:
-        ap.error(str(e))
-    print_costs(costs)
-    write_report(args.out, costs)
-    return 0
+    return run_step_tool(ap, argv, lambda args, dtype, device: step_costs(
+        args.random_weights, dtype, device, args.compile, args.context, tuple(b for b in args.budgets.split(",") if b),
+        repeats=args.repeats), print_costs)
 
 
 if __name__ == "__main__":

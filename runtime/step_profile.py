@@ -24,7 +24,7 @@ from runtime.draft_head import DraftHead
 from runtime.drafter import budget_fields
 from runtime.eagle import EagleDrafter, EagleModel
 from runtime.engine import Engine, EngineConfig
-from runtime.gpu_bench import RANDOM_CONFIGS, random_models, random_prompts, write_report
+from runtime.gpu_bench import random_models, random_prompts, run_step_tool, step_tool_parser
 
 VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",
          "t", "as_strided", "detach", "alias", "permute", "squeeze", "unbind", "chunk", "reshape", "_reshape_alias"}
@@ -125,26 +125,11 @@ def print_profile(p: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="where a speculative step's time goes (see runtime/step_profile.py)")
-    ap.add_argument("--random-weights", required=True, choices=sorted(RANDOM_CONFIGS))
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--device", help="default: cuda when available")
+    ap = step_tool_parser("where a speculative step's time goes (see runtime/step_profile.py)")
     ap.add_argument("--budget", default="2x3/6", help="DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE]")
-    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the profiled steps")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--out", help="write the profile as JSON here")
-    args = ap.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        p = step_profile(args.random_weights, getattr(torch, args.dtype), device, args.budget, args.context,
-                         args.new_tokens)
-    except ValueError as e:
-        ap.error(str(e))
-    print_profile(p)
-    write_report(args.out, p)
-    return 0
+    return run_step_tool(ap, argv, lambda args, dtype, device: step_profile(
+        args.random_weights, dtype, device, args.budget, args.context, args.new_tokens), print_profile)
 
 
 if __name__ == "__main__":

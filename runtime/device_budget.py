@@ -29,8 +29,7 @@ def ms_per_step(engine: Engine, prompt: list[int], new_tokens: int = NEW_TOKENS,
     engine.generate(prompt, new_tokens)
     best = math.inf
     for _ in range(repeats):
-        m = engine.generate(prompt, new_tokens).metrics
-        best = min(best, 1e3 * (m.total_s - m.prefill_s) / max(1, m.target_forwards))
+        best = min(best, engine.generate(prompt, new_tokens).metrics.ms_per_forward)
     return best
 
 

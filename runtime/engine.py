@@ -116,6 +116,11 @@ class Metrics:
     fallback_step: int | None  # target forward at which speculation stopped
     kv_saved: float  # share of the decode/verify forwards' KV reads (layers x kv heads x keys) sparsity skipped
 
+    @property
+    def ms_per_forward(self) -> float:
+        """ms per decode or verify forward, the prefill left out (0 forwards: the time after the prefill)."""
+        return 1e3 * (self.total_s - self.prefill_s) / max(1, self.target_forwards)
+
 
 @dataclass(frozen=True)
 class Generation:

@@ -66,29 +66,36 @@ def sync_sites(on_cuda: bool):
     sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
-def profile_engine(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
-    """Per-step profile of `engine` generating greedily: phases from an unprofiled run (after a warm-up, which
-    captures the graphs), counts from a profiled one."""
-    engine.generate(prompt, new_tokens)
-    m = engine.generate(prompt, new_tokens).metrics
-    steps = max(1, m.target_forwards)
+def counted(engine: Engine, prompt: list[int], new_tokens: int) -> dict[str, Counter]:
+    """What one generation dispatches and, on a GPU, calls and waits for: Counters of operators, CUDA runtime
+    calls, host-wait sites, and the device-busy microseconds (under 'busy_us')."""
     on_cuda = engine.target.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_cuda
     with sync_sites(on_cuda) as sites, OpCounter() as ops, profile(activities=activities) as prof:
-        profiled = engine.generate(prompt, new_tokens).metrics
-    per = max(1, profiled.target_forwards)
+        engine.generate(prompt, new_tokens)
     events = prof.key_averages()
-    calls = Counter({e.key: e.count for e in events})
     busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events
                   if str(getattr(e, "device_type", "")).endswith("CUDA"))
-    report = {"steps": steps, "tau": m.tau, "ms_a_step": 1e3 * (m.total_s - m.prefill_s) / steps,
+    return {"ops": ops.ops, "calls": Counter({e.key: e.count for e in events}), "sites": sites,
+            "busy_us": Counter(busy=busy_us)}
+
+
+def profile_engine(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    """Per-step profile of `engine` generating greedily: phases from an unprofiled run (after a warm-up, which
+    captures the graphs), counts from a profiled one less those of the prefill alone (a one-token generation)."""
+    engine.generate(prompt, new_tokens)
+    m = engine.generate(prompt, new_tokens).metrics
+    steps = max(1, m.target_forwards)
+    whole, prefill = counted(engine, prompt, new_tokens), counted(engine, prompt, 1)
+    ops, calls, sites, busy = (whole[k] - prefill[k] for k in ("ops", "calls", "sites", "busy_us"))
+    report = {"steps": steps, "tau": m.tau, "ms_a_step": m.ms_per_forward,
               **{f"{phase}_ms": 1e3 * getattr(m, f"{phase}_s") / steps for phase in ("draft", "verify", "rollback")},
-              "ops_a_step": sum(ops.ops.values()) / per,
-              "top_ops": {k: v / per for k, v in ops.ops.most_common(12)}}
+              "ops_a_step": sum(ops.values()) / steps, "top_ops": {k: v / steps for k, v in ops.most_common(12)}}
     report["other_ms"] = report["ms_a_step"] - sum(report[f"{p}_ms"] for p in ("draft", "verify", "rollback"))
-    if on_cuda:
-        report |= {name: sum(calls[c] for c in names) / per for name, names in RUNTIME_CALLS.items()}
-        report |= {"device_busy_ms": busy_us / 1e3 / per, "host_waits": {k: v / per for k, v in sites.most_common()}}
+    if engine.target.device.type == "cuda":
+        report |= {name: sum(calls[c] for c in names) / steps for name, names in RUNTIME_CALLS.items()}
+        report |= {"device_busy_ms": busy["busy"] / 1e3 / steps,
+                   "host_waits": {k: v / steps for k, v in sites.most_common()}}
     return report
 
 

@@ -147,8 +147,8 @@ def device_budget_bundle(out, fingerprint: str, candidates: bool = True):
         report["device_candidates"] = [chain | {"tau": 1.1}, chain | {"depth": 3, "nodes": 3, "tau": 90.0}]
     out.mkdir()
     (out / "draft_budget.json").write_text(json.dumps(report))
-    write_bundle(out / "b", {"kind": "ngram", "max_ngram": 3}, None, target_fingerprint=fingerprint,
-                 data_digest="d", config={}, code_version="t", extra_files={"draft_budget.json": out / "draft_budget.json"})
+    write_bundle(out / "b", {"kind": "ngram", "max_ngram": 3}, None, target_fingerprint=fingerprint, data_digest="d",
+                 config={}, code_version="t", extra_files={"draft_budget.json": out / "draft_budget.json"})
     return out / "b"
 
 

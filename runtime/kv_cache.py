@@ -79,7 +79,8 @@ class KVCache:
     def compact(self, keep: list[int] | torch.Tensor) -> None:
         """Keep only the written slots at offsets `keep` [k] (ascending, relative to each sequence's length):
         they move, in place and in every layer, to offsets 0..k-1; lengths advance by k. The offsets are checked
-        on the host, so on a GPU this waits for the device once (the bounds check), not once per check."""
+        on the host, so on a GPU this waits for the device at most twice (the bounds check, and the offsets' copy
+        where rows move), not once per check."""
         keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
         n = len(keep)
         if any(b <= a for a, b in zip(keep, keep[1:])) or (n and keep[0] < 0):

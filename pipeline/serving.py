@@ -51,11 +51,9 @@ def serving_config(fields: dict, max_seq_len: int, device):
     greedy draft step is a CUDA graph (EngineConfig.static_verify: 491 tok/s on an H200 where the eager engine made
     96, the same bundle in bf16; docs/gpu.md), which needs a full-precision KV cache: a calibrated KV scheme is left
     out there."""
-    from runtime.bench import static_verify_config
-    from runtime.engine import EngineConfig
+    from runtime.bench import served_config
 
-    cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
-    return static_verify_config(cfg)[0] if device.type == "cuda" else cfg
+    return served_config(fields, max_seq_len, graphed=device.type == "cuda")
 
 def pyfunc_signature():
     from mlflow.models import ModelSignature

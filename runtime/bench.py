@@ -97,11 +97,8 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
     device_budget = None
     if device_candidates and drafter is not None:
-        def served(f: dict) -> EngineConfig:
-            cfg = EngineConfig(max_seq_len=max_seq_len, **f)
-            return static_verify_config(cfg)[0] if with_graphs else cfg
-
-        best, device_budget = choose_on_device(target, drafter, list(device_candidates), prompt_ids[0], served,
+        best, device_budget = choose_on_device(target, drafter, list(device_candidates), prompt_ids[0],
+                                               lambda f: served_config(f, max_seq_len, with_graphs),
                                                new_tokens=min(NEW_TOKENS, max_new_tokens))
         fields = device_candidates[best][1]
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
@@ -162,6 +159,13 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
             engine = Engine(target, drafter(), replace(static, compile_static=bool(suffix)))
             methods["ours_spec_graph" + suffix] = engine_method(engine, max_new_tokens, params, stops)
     return notes
+
+
+def served_config(fields: dict, max_seq_len: int, graphed: bool) -> EngineConfig:
+    """The engine config a bundle is served with (`fields`: Bundle.engine_settings): with every verify and greedy
+    draft step a CUDA graph where `graphed` (static_verify_config: a full-precision KV cache)."""
+    cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
+    return static_verify_config(cfg)[0] if graphed else cfg
 
 
 def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:

@@ -41,8 +41,8 @@ def choose_on_device(target: Transformer, new_drafter: Callable[[], Drafter], ca
     Returns the index of the candidate with the most tokens/s (tau / ms per step), and a report of all."""
     if not candidates:
         raise ValueError("choose_on_device: no candidate budgets")
-    fields = candidates[0][1]
-    ar_ms = ms_per_step(Engine(target, None, make_config(fields | {"sparse": None})), prompt, new_tokens, repeats)
+    plain = make_config(candidates[0][1] | {"sparse": None})  # no drafter: the budget is not read
+    ar_ms = ms_per_step(Engine(target, None, plain), prompt, new_tokens, repeats)
     rows = []
     for row, fields in tqdm(candidates, desc=f"draft budget on {target.device.type}", unit="budget"):
         engine = Engine(target, new_drafter(), make_config(fields | {"adaptive": False}))

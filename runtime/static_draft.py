@@ -108,8 +108,8 @@ class StaticEagleTree:
             chosen = frontier[eff[start:].sort(descending=True, stable=True).indices[:width]]
             slots = root + (level - 1) * width + self.key_slot[:width]
             node_sees = torch.cat(sees)[chosen] | (self.key_slot[None, :] == slots[:, None])  # [w, L]
-            f = m.step(torch.cat(ids)[chosen][None], torch.cat(feeds)[chosen][None], (root + level).expand(width)[None], cache,
-                       slots[None], L, node_sees[None, None])[0][0]  # [w, H]
+            f = m.step(torch.cat(ids)[chosen][None], torch.cat(feeds)[chosen][None], (root + level).expand(width)[None],
+                       cache, slots[None], L, node_sees[None, None])[0][0]  # [w, H]
             p, index = tree_probs(m.head(f), GREEDY).topk(width)  # [w, w], each row in draw order
             score = torch.cat(scores)[chosen][:, None] + p.double().log()
             start = eff.numel()

@@ -1,4 +1,5 @@
-"""tau (tokens per target forward) of a SmolLM2-135M-Instruct bundle on a prompt file for each draft budget: what a bigger verify buys.
+"""tau (tokens per target forward) of a SmolLM2-135M-Instruct bundle on a prompt file for each draft budget: what a
+bigger verify buys.
 tau does not depend on the device in fp32 greedy decoding, so this CPU run tells a GPU, where a verify of 16-32
 tokens costs little more than one of 5, which budgets to time there (runtime.step_costs has the costs).
 
@@ -35,7 +36,8 @@ def main(bundle_dir: str, prompts_file: str, *budgets: str) -> None:
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32, max_seq_len=max_len)
     for spec in budgets:
         fields = bundle.engine_settings(DraftBudget(5), budget_fields(spec))
-        engine = Engine(target, build_drafter(bundle, target, max_len + 64), EngineConfig(max_seq_len=max_len, **fields))
+        engine = Engine(target, build_drafter(bundle, target, max_len + 64),
+                        EngineConfig(max_seq_len=max_len, **fields))
         new = forwards = nodes = 0
         start = time.perf_counter()
         for ids in prompts:

@@ -5,10 +5,13 @@ streams: SmolLM2-135M runs ~30 layers x ~15 kernels per token. Capturing the who
 block, the final norm, lm_head, argmax, and feeding the argmax back as the next step's input -- once in a CUDA
 graph turns it into one launch, with no host synchronisation between tokens.
 
-Capture needs static shapes, so the captured step differs from `Transformer.run` in one way: attention reads the
-whole static KV cache [max_len] with a mask (key slot <= position) instead of slicing the cache to the live
-length. The arithmetic over visible keys is the same; masked keys get weight exactly 0. Same modules, same
-weights, same KV cache class (runtime/kv_cache.py): the prefill runs through the ordinary `Transformer.forward`.
+Capture needs static shapes, so the captured step differs from `Transformer.run` in one way: attention reads a
+static span of the KV cache with a mask (key slot <= position) instead of slicing the cache to the live length.
+The span is the smallest power of two (at least MIN_SPAN, at most the cache) that holds the step's keys, one graph
+per span: a step's attention costs what the live context needs, not the whole cache (serving allocates the
+target's full context, 8192 tokens for SmolLM2), at a few graphs more. The arithmetic over visible keys is the
+same; masked keys get weight exactly 0. Same modules, same weights, same KV cache class (runtime/kv_cache.py):
+the prefill runs through the ordinary `Transformer.forward`.
 
 Scope: greedy decoding, batch 1, no sliding window, no SpecAttn / quantised KV. CUDA only; importing this module
 needs no GPU.
@@ -36,6 +39,7 @@ from runtime.model import Transformer, apply_rope, attention_mask
 
 Out = TypeVar("Out")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
+MIN_SPAN = 256  # fewest cache slots a static step attends over (key_span)
 STOP_CHECK = 16  # the graphed decoder looks for a stop token every this many tokens
 # specialisations of one static step's code (every bucket, depth and instance is one): dynamo's default of 8
 # would send later ones back to eager without a word
@@ -59,6 +63,14 @@ def compile_step(step: Callable[..., Out], enabled: bool) -> Callable[..., Out]:
     return torch.compile(step, fullgraph=True)
 
 
+def key_span(n_keys: int, max_len: int) -> int:
+    """The cache slots [0, span) a static step attends over when it needs the first `n_keys`: the smallest power of
+    two >= n_keys, at least MIN_SPAN, at most max_len (a shape per doubling of the context, not per length)."""
+    if not 0 < n_keys <= max_len:
+        raise ValueError(f"a static step needs {n_keys} keys, expected 1..{max_len} (the cache length)")
+    return min(max_len, max(MIN_SPAN, 1 << (n_keys - 1).bit_length()))
+
+
 def check_static_inputs(who: str, cache: KVCache, buckets: tuple[int, ...]) -> None:
     """A static step writes one sequence's full-precision KV at bucketed sizes."""
     if cache.batch != 1 or type(cache) is not KVCache:
@@ -70,7 +82,7 @@ def check_static_inputs(who: str, cache: KVCache, buckets: tuple[int, ...]) -> N
 class GraphedGreedyDecoder:
     """`generate(prompt_ids, max_new_tokens)` -> new tokens, greedy. `use_graph=False` runs the same static-shape
     step eagerly (to separate what capture buys from what the static step itself changes); `compile` fuses it
-    first (compile_step)."""
+    first (compile_step). Each key span's step is captured on first use."""
 
     def __init__(self, model: Transformer, max_len: int, use_graph: bool = True, warmup: int = 3,
                  compile: bool = False):
@@ -80,7 +92,7 @@ class GraphedGreedyDecoder:
             raise ValueError("GraphedGreedyDecoder does not support sliding-window attention")
         if max_len > model.max_seq_len:
             raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {model.max_seq_len}")
-        self.model, self.max_len, self.use_graph = model, max_len, use_graph
+        self.model, self.max_len, self.use_graph, self.warmup = model, max_len, use_graph, warmup
         dev = model.device
         with torch.inference_mode():
             self.cache = model.new_cache(batch=1, max_len=max_len)
@@ -89,18 +101,17 @@ class GraphedGreedyDecoder:
             self.step = torch.zeros(1, dtype=torch.long, device=dev)  # where the step writes its argmax in `out`
             self.out = torch.zeros(max_len, dtype=torch.long, device=dev)
             self.key_slot = torch.arange(max_len, device=dev)
-            self.graph: torch.cuda.CUDAGraph | None = None
-            self.run_step = compile_step(self._step, compile)
-            if use_graph:
-                self._capture(warmup)
+        self.next_pos = 0  # the host's copy of `pos`: choosing a span reads nothing from the device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by key span
+        self.run_step = compile_step(self._step, compile)
 
     # ------------------------------------------------------------------ the static step
-    def _step(self) -> None:
+    def _step(self, span: int) -> None:
         m, cache, c = self.model, self.cache, self.model.config
         H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
         pos = self.pos
         cos, sin = m.rope_cos[pos].unsqueeze(2), m.rope_sin[pos].unsqueeze(2)  # [1, 1, 1, D]
-        visible = (self.key_slot <= pos[0, 0]).view(1, 1, 1, self.max_len)
+        visible = (self.key_slot[:span] <= pos[0, 0]).view(1, 1, 1, span)
         slot = pos[0]
         x = m.tok_embeddings(self.token)
         with sdpa_kernels(x.device):  # the kernels the eager engine uses: the same rounding
@@ -111,9 +122,9 @@ class GraphedGreedyDecoder:
                 if a.q_norm is not None:
                     qk = torch.cat([a.q_norm(qk[:, :, :H]), a.k_norm(qk[:, :, H:])], dim=2)
                 q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
-                keys, values = cache.k[i], cache.v[i]  # [1, Hkv, max_len, D] views of the static cache
-                keys.index_copy_(2, slot, k.transpose(1, 2))
-                values.index_copy_(2, slot, v.transpose(1, 2))
+                cache.k[i].index_copy_(2, slot, k.transpose(1, 2))
+                cache.v[i].index_copy_(2, slot, v.transpose(1, 2))
+                keys, values = cache.k[i][:, :, :span], cache.v[i][:, :, :span]  # [1, Hkv, span, D] static views
                 qg = q.reshape(1, Hkv, H // Hkv, D)  # grouped-query: each kv head's query heads as rows
                 o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
                 x = x + a.wo(o.reshape(1, 1, H * D))
@@ -125,19 +136,19 @@ class GraphedGreedyDecoder:
         self.pos.add_(1)
         self.step.add_(1)
 
-    def _capture(self, warmup: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, cuBLAS workspaces, autotuning
-            for _ in range(warmup):
-                self.run_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.pos.zero_()
-        self.step.zero_()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.run_step()
-        torch.cuda.synchronize()
+    def decode_step(self) -> None:
+        """One more token: the static step over the span that holds the cache, replayed from its graph."""
+        span = key_span(self.next_pos + 1, self.max_len)
+        if not self.use_graph:
+            self.run_step(span)
+        elif span in self.graphs:
+            self.graphs[span].replay()
+        else:  # warmed up at this slot, rewound after each warm-up step; capture's replay makes this token
+            state = (self.token, self.pos, self.step)
+            saved = [t.clone() for t in state]
+            rewind = lambda: [t.copy_(s) for t, s in zip(state, saved)]  # noqa: E731
+            self.graphs[span] = capture(lambda: self.run_step(span), self.warmup, rewind)[0]
+        self.next_pos += 1
 
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
@@ -155,16 +166,14 @@ class GraphedGreedyDecoder:
         self.token.copy_(first.view(1, 1))
         self.pos.fill_(n)
         self.step.fill_(1)
+        self.next_pos = n
         stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
         made = 1
         while made < max_new_tokens:
             # a stop check costs a host sync: look every STOP_CHECK tokens, and trim what follows the stop below
             if stops is not None and made % STOP_CHECK == 0 and bool(torch.isin(self.out[:made], stops).any()):
                 break
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self.run_step()
+            self.decode_step()
             made += 1
         tokens = self.out[:made].tolist()
         stop = set(stop_ids)
@@ -172,15 +181,18 @@ class GraphedGreedyDecoder:
         return tokens if first_stop is None else tokens[:first_stop + 1]
 
 
-def capture(step: Callable[[], Out], warmup: int) -> tuple[torch.cuda.CUDAGraph, Out]:
+def capture(step: Callable[[], Out], warmup: int,
+            rewind: Callable[[], object] = lambda: None) -> tuple[torch.cuda.CUDAGraph, Out]:
     """`step` captured in a CUDA graph (a memory pool of its own: graphs replay in any order), and the static
-    outputs it returns. Warms up off the capture stream first (lazy inits, cuBLAS workspaces); capturing runs
+    outputs it returns. Warms up off the capture stream first (lazy inits, cuBLAS workspaces), calling `rewind`
+    after each warm-up step (a step that advances its own inputs runs each time from where it was); capturing runs
     nothing, so the graph is replayed once before returning: the outputs hold this call's values."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             step()
+            rewind()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -204,16 +216,15 @@ class _Bucket:
         self.padded = torch.eye(size, dtype=torch.bool, device=device)  # padding rows see the prefix and themselves
         self.causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()
         self.tree = self.padded.clone()
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-        self.hidden: torch.Tensor | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}  # by key span
 
 
 class StaticVerifier:
     """The Engine's target forward of one decode or verify step -- tokens, positions [1, T] and the tree mask
     [T, T] (None: T == 1) -- at static shapes: padded to the smallest bucket >= T, KV written at the cache's
-    length + 0..bucket-1, attention over the whole static cache with a mask (`attention_mask` with
-    n_live = max_len). On a CUDA target each bucket's step is captured in a CUDA graph on first use and replayed.
+    length + 0..bucket-1, attention over the key span that holds them (key_span) with a mask (`attention_mask` with
+    n_live = span). On a CUDA target each (bucket, span) step is captured in a CUDA graph on first use and
+    replayed.
 
     Padding rows see the committed prefix and themselves, and no real row sees them, so the real rows' outputs
     and KV are those of the unpadded forward. Their KV lands in slots after the real tokens, which the Engine never
@@ -222,7 +233,7 @@ class StaticVerifier:
 
     With `sparse` (SpecAttn) a call may bring `keep` [Ld, Hkv, 1, max_len], the draft layers' kept keys over the
     whole static cache. It is copied into a static buffer, and the step narrows it to the live keys and this step's
-    before the layers read it, so a backend that skips unkept keys (triton_sparse) reads no slot beyond them.
+    (within its span) before the layers read it, so a backend that skips unkept keys (triton_sparse) reads no slot beyond them.
 
     The outputs are views of static buffers, valid until the next call; the Engine reads them within its step.
     Off CUDA (`use_graph=False`) the same static step runs eagerly: that is what the CPU tests check. `compile`
@@ -243,14 +254,16 @@ class StaticVerifier:
         self.dense_step = compile_step(self._step, compile)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
-                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 keep: torch.Tensor | None = None, cached: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cached`: the cache's length where the caller knows it on the host (else it is read from the device)."""
         T = tokens.shape[1]
         size = bucket_for(T, self.sizes)
         if keep is not None and (self.sparse is None or keep.shape[-1] != self.cache.max_len):
             raise ValueError(f"StaticVerifier: keep {tuple(keep.shape)} needs sparse settings and one entry per "
                              f"slot of the static cache ({self.cache.max_len})")
-        if size is None or int(self.cache.lengths[0]) + size > self.cache.max_len:
-            n_live = int(self.cache.lengths[0]) + T
+        cached = int(self.cache.lengths[0]) if cached is None else cached
+        if size is None or cached + size > self.cache.max_len:
+            n_live = cached + T
             layers = None if keep is None else self.sparse.layer_keep(keep[..., :n_live])
             return self.model(tokens, self.cache, positions, tree_mask, kv_keep=layers)
         if keep is not None:
@@ -266,21 +279,23 @@ class StaticVerifier:
         b.tree.copy_(b.padded)
         b.tree[:T, :T] = b.causal[:T, :T] if tree_mask is None else tree_mask
         step = self._step if b.sparse else self.dense_step
+        span = key_span(cached + size, self.cache.max_len)
         if not self.use_graph:
-            b.logits, b.hidden = step(b)
-        elif b.graph is None:  # the warm-up's KV writes go to the same slots the replay writes
-            b.graph, (b.logits, b.hidden) = capture(lambda: step(b), self.warmup)
+            logits, hidden = step(b, span)
+        elif span not in b.graphs:  # the warm-up's KV writes go to the same slots the replay writes
+            b.graphs[span] = capture(lambda: step(b, span), self.warmup)
+            logits, hidden = b.graphs[span][1]
         else:
-            b.graph.replay()
-        return b.logits[:, :T], b.hidden[:, :T]
+            graph, (logits, hidden) = b.graphs[span]
+            graph.replay()
+        return logits[:, :T], hidden[:, :T]
 
-    def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, b: _Bucket, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         m, cache, size = self.model, self.cache, b.tokens.shape[1]
         slots = cache.lengths[:, None] + self.offsets[:size]
-        mask = attention_mask(cache.lengths, b.positions, cache.max_len, b.tree, m.config.sliding_window,
-                              always=True)
+        mask = attention_mask(cache.lengths, b.positions, span, b.tree, m.config.sliding_window, always=True)
         kv_keep = None
         if b.sparse:  # new views every step: a backend lists their keys inside the graph, not from a stale call
-            kv_keep = self.sparse.layer_keep(self.keep & (self.key_slot < cache.lengths[0] + size))
-        out = m.run_placed(b.tokens, cache, b.positions, slots, cache.max_len, mask, kv_keep=kv_keep)
+            kv_keep = self.sparse.layer_keep(self.keep[..., :span] & (self.key_slot[:span] < cache.lengths[0] + size))
+        out = m.run_placed(b.tokens, cache, b.positions, slots, span, mask, kv_keep=kv_keep)
         return out.logits, out.hidden

@@ -149,7 +149,7 @@ class EagleDrafter(Drafter):
         self.pending = []
         T, track = toks.numel(), self.track_attention
         if self.static is not None and params.greedy and not track and self.static.fits(T, budget, self.cached):
-            tree = self.static(toks, feats, budget)
+            tree = self.static(toks, feats, budget, self.cached)
             self.cache.lengths += T  # fits() checked the room: no host read, unlike KVCache.advance
             self.cached += T
             self.attention = None

@@ -218,7 +218,7 @@ class Engine:
             layers = self._layer_keep(keep if keep is None else keep[..., :n_live])  # per target layer, live keys
             tree_mask = tree.ancestor_mask() if len(tree) else None
             if self.static is not None:
-                logits, hidden = self.static(tokens, positions, tree_mask, keep)
+                logits, hidden = self.static(tokens, positions, tree_mask, keep, cached=n_cached)
             else:
                 logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers)
             stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)

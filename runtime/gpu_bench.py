@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from runtime import cuda_graphs
 from runtime.drafter import DraftBudget, Drafter
 from runtime.model import ModelConfig, Transformer, hf_causal_lm, rope_tables
 from runtime.tree import DraftTree
@@ -196,6 +197,11 @@ def step_tool_parser(description: str):
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--device", help="default: cuda when available")
     ap.add_argument("--context", type=int, default=256, help="tokens of context before the timed steps")
+    ap.add_argument("--cache-len", type=int, default=0,
+                    help="the KV caches' length (default: what the steps need; serving allocates the target's "
+                         "whole context: 4096 tokens for SmolLM2)")
+    ap.add_argument("--min-span", type=int, help="the static steps' smallest key span (runtime.cuda_graphs.MIN_SPAN); "
+                    "the cache's length attends over the whole cache, as static steps did before key spans")
     ap.add_argument("--out", help="write the result as JSON here")
     return ap
 
@@ -204,10 +210,15 @@ def run_step_tool(ap, argv: list[str] | None, measure, show) -> int:
     """Parse a step tool's flags (step_tool_parser), run `measure(args, dtype, device)`, a one-line usage error on a
     ValueError, `show` the result and write it to --out."""
     args = ap.parse_args(argv)
+    if args.min_span is not None:
+        if args.min_span < 1:
+            ap.error(f"--min-span {args.min_span}: expected a number of keys >= 1")
+        cuda_graphs.MIN_SPAN = args.min_span
     try:
         result = measure(args, getattr(torch, args.dtype), default_device(args.device))
     except ValueError as e:
         ap.error(str(e))
+    result["min_span"] = cuda_graphs.MIN_SPAN
     show(result)
     write_report(args.out, result)
     return 0

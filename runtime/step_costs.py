@@ -45,10 +45,11 @@ def ms_per_call(call: Callable[[], object], sync: Callable[[], None], repeats: i
 @torch.inference_mode()
 def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", compiled: bool = False,
                context: int = 256, budgets: tuple[str, ...] = BUDGETS, buckets: tuple[int, ...] = BUCKETS,
-               repeats: int = 50) -> dict:
+               repeats: int = 50, cache_len: int = 0) -> dict:
     """ms per graphed decode token, per verify bucket and per draft budget (draft only: lookup nodes cost nothing
-    to draft), with `context` committed tokens, random weights of RANDOM_CONFIGS[name]."""
-    max_len = context + max(repeats + 2, max(buckets)) + 1
+    to draft), with `context` committed tokens, random weights of RANDOM_CONFIGS[name], KV caches of `cache_len`
+    slots or what the steps need if more."""
+    max_len = max(cache_len, context + max(repeats + 2, max(buckets)) + 1)
     model = random_models(name, dtype, device, max_len, with_hf=False)[0]
     dev, use_graph = model.device, model.device.type == "cuda"
     sync = synchronizer(dev)
@@ -56,7 +57,7 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
 
     decoder = GraphedGreedyDecoder(model, max_len, use_graph=use_graph, compile=compiled)
     decoder.generate(prompt, 1)  # the prefill; each timed step then decodes one more token
-    decode_ms = ms_per_call(decoder.graph.replay if use_graph else decoder.run_step, sync, repeats)
+    decode_ms = ms_per_call(decoder.decode_step, sync, repeats)
 
     cache = model.new_cache(1, max_len)
     model(torch.tensor([prompt], device=dev), cache, torch.arange(context, device=dev)[None])
@@ -79,15 +80,16 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
         budget = budget_fields(spec)["budget"]
         if not tree.fits(PENDING, budget, context):
             raise ValueError(f"budget {spec}: its tree does not fit a cache of {max_len} after {context} tokens")
-        draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget), sync, repeats)
+        draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget, context), sync, repeats)
     return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
-            "torch": torch.__version__, "graphs": use_graph, "compiled": compiled, "context": context,
+            "torch": torch.__version__, "graphs": use_graph, "compiled": compiled, "context": context, "cache_len": max_len,
             "pending_pairs": PENDING, "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms}
 
 
 def print_costs(costs: dict) -> None:
     print(f"{costs['target']}, {costs['dtype']}, {costs['device']}, graphs {costs['graphs']}, compiled "
-          f"{costs['compiled']}, {costs['context']} tokens of context")
+          f"{costs['compiled']}, {costs['context']} tokens of context, a cache of {costs['cache_len']}, "
+          f"key spans from {costs['min_span']}")
     print(f"  decode {costs['decode_ms']:.3f} ms/token")
     for size, ms in costs["verify_ms"].items():
         print(f"  verify {size:>3} tokens {ms:.3f} ms ({ms / costs['decode_ms']:.2f}x a decode token)")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=50)
     return run_step_tool(ap, argv, lambda args, dtype, device: step_costs(
         args.random_weights, dtype, device, args.compile, args.context, tuple(b for b in args.budgets.split(",") if b),
-        repeats=args.repeats), print_costs)
+        repeats=args.repeats, cache_len=args.cache_len), print_costs)
 
 
 if __name__ == "__main__":

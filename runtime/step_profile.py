@@ -101,24 +101,25 @@ def profile_engine(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
 
 @torch.inference_mode()
 def step_profile(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", budget: str = "2x3/6",
-                 context: int = 256, new_tokens: int = 64) -> dict:
+                 context: int = 256, new_tokens: int = 64, cache_len: int = 0) -> dict:
     """Profile the static speculative engine on random weights of RANDOM_CONFIGS[name] with a random EAGLE drafter
-    (few of its nodes are accepted: the phases' costs, not tau, are the point), after `context` prompt tokens."""
+    (few of its nodes are accepted: the phases' costs, not tau, are the point), after `context` prompt tokens, with
+    KV caches of `cache_len` slots or what the generation needs if more."""
     fields = budget_fields(budget)
-    max_len = context + new_tokens + fields["budget"].max_nodes + fields["lookup"] + 2
+    max_len = max(cache_len, context + new_tokens + fields["budget"].max_nodes + fields["lookup"] + 2)
     model = random_models(name, dtype, device, max_len, with_hf=False)[0]
     eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(model.device).eval()
     engine = Engine(model, EagleDrafter(eagle, max_len), EngineConfig(max_seq_len=max_len, static_verify=True,
                                                                         **fields))
     prompt = random_prompts(model.config.vocab_size, 1, seed=0, lengths=(context, context))[0]
     return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
-            "torch": torch.__version__, "budget": budget, "context": context, "new_tokens": new_tokens,
-            **profile_engine(engine, prompt, new_tokens)}
+            "torch": torch.__version__, "budget": budget, "context": context, "cache_len": max_len,
+            "new_tokens": new_tokens, **profile_engine(engine, prompt, new_tokens)}
 
 
 def print_profile(p: dict) -> None:
-    print(f"{p['target']}, {p['dtype']}, {p['device']}, budget {p['budget']}, {p['context']} tokens of context: "
-          f"{p['steps']} steps, tau {p['tau']:.2f}")
+    print(f"{p['target']}, {p['dtype']}, {p['device']}, budget {p['budget']}, {p['context']} tokens of context, "
+          f"a cache of {p['cache_len']}, key spans from {p['min_span']}: {p['steps']} steps, tau {p['tau']:.2f}")
     print(f"  a step {p['ms_a_step']:.3f} ms: draft {p['draft_ms']:.3f}, verify {p['verify_ms']:.3f}, rollback "
           f"{p['rollback_ms']:.3f}, the rest {p['other_ms']:.3f}")
     print(f"  operators dispatched a step {p['ops_a_step']:.1f}: " +
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="2x3/6", help="DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE]")
     ap.add_argument("--new-tokens", type=int, default=64)
     return run_step_tool(ap, argv, lambda args, dtype, device: step_profile(
-        args.random_weights, dtype, device, args.budget, args.context, args.new_tokens), print_profile)
+        args.random_weights, dtype, device, args.budget, args.context, args.new_tokens, args.cache_len), print_profile)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ def main() -> None:
     decoder.generate(random_prompts(model.config.vocab_size, 1, seed=3)[0], 2)  # a prefix in the cache
     layers = model.config.n_layers
     with torch.inference_mode(), OpCounter() as counter:
-        decoder._step()
+        decoder._step(256)
     eager = sum(counter.ops.values())
     print(f"eager: {eager} ops, {eager / layers:.1f} a layer; {dict(counter.ops.most_common())}")
     with torch.inference_mode():
-        _, codes = run_and_get_code(torch.compile(decoder._step, fullgraph=True))
+        _, codes = run_and_get_code(torch.compile(decoder._step, fullgraph=True), 256)
     call = codes[-1][codes[-1].index("def call("):]
     fused = Counter(re.sub(r"_\d+$", "", k) for k in re.findall(r"\n\s+(cpp_fused_\w+|triton_\w+)", call))
     library = Counter(re.findall(r"\n\s+(?:buf\d+ = )?(extern_kernels\.\w+|aten\.\w+|torch\.ops\.\w+\.\w+)", call))

@@ -5,8 +5,9 @@
 # with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
 # BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's),
 # or BUDGET=device: with the bundle's device candidate that runs fastest on this GPU, as serving chooses it;
-# QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs, the SmolLM2-shape bf16 bench,
-# and where a graphed speculative step's time goes (runtime.step_profile).
+# QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs (also at serving's cache length,
+# over key spans and over the whole cache), the SmolLM2-shape bf16 bench, and where a graphed speculative step's time
+# goes (runtime.step_profile).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -17,6 +18,11 @@ python3 -m kernels.gpu_check --out "$OUT/kernels.json"
 python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --out "$OUT/step_costs_bf16.json"
 python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --compile --budgets 2x3/6,4x4/16 \
   --out "$OUT/step_costs_bf16_compiled.json"
+# serving's cache (the target's 4096 tokens): steps over the key span that holds the context, against the whole cache
+python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --budgets 2x3/6 --cache-len 4096 \
+  --out "$OUT/step_costs_bf16_cache4096.json"
+python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --budgets 2x3/6 --cache-len 4096 \
+  --min-span 4096 --out "$OUT/step_costs_bf16_cache4096_whole.json"
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/smollm2_bf16.json"
 python3 -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 --budget 2x3/6 \

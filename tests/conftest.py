@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF checkpoints of each supported family, and the real SmolLM2 (slow tests)."""
+"""Shared fixtures: tiny random HF checkpoints of each supported family, the real SmolLM2 (slow tests), and the
+static steps' key spans."""
 from __future__ import annotations
 
 import json
@@ -40,6 +41,16 @@ def tiny_model_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(params=[None, 16], ids=["one-span", "spans-switch"])
+def min_span(request, monkeypatch):
+    """The static steps' smallest key span: the default (one span: these tests' caches are shorter), or 16, so a
+    generation's static steps attend over spans of 16, 32, 64 ... keys and change span as the context grows."""
+    from runtime import cuda_graphs
+    if request.param is not None:
+        monkeypatch.setattr(cuda_graphs, "MIN_SPAN", request.param)
+    return cuda_graphs.MIN_SPAN
 
 
 @pytest.fixture(scope="session")

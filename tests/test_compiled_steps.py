@@ -23,13 +23,14 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_compiled_decode_step_decodes_as_the_engine(target):
+def test_compiled_decode_step_decodes_as_the_engine(target, min_span):
     prompt = torch.randint(0, target.config.vocab_size, (20,), generator=torch.Generator().manual_seed(4)).tolist()
-    expected = Engine(target, None, EngineConfig(max_seq_len=128, adaptive=False)).generate(prompt, 30).tokens
+    expected = Engine(target, None, EngineConfig(max_seq_len=128, adaptive=False)).generate(prompt, 60).tokens
     before = compiled_graphs()
     decoder = GraphedGreedyDecoder(target, max_len=128, use_graph=False, compile=True)
-    assert decoder.generate(prompt, 30) == expected
-    assert compiled_graphs() == before + 1  # one step, one graph, reused for every token
+    assert decoder.generate(prompt, 60) == expected
+    spans = 1 if min_span > 128 else 3  # 32, 64 and 128 keys where spans switch
+    assert before < compiled_graphs() <= before + spans  # at most a graph per span, not one per token
 
 
 def test_compiled_static_verify_and_drafting_generate_the_same(target):

@@ -1,11 +1,14 @@
 """The GPU benchmark's parts that run on CPU too: the replay drafter and the static-shape decode step that CUDA
 graphs capture (run eagerly here), both checked token for token against our engine's plain decoding."""
+import json
+
 import pytest
 import torch
 
 from runtime.attention import SpecAttnConfig
 from runtime.bench import measure, static_verify_config
-from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier
+from runtime import cuda_graphs
+from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier, key_span
 from runtime.engine import Engine, EngineConfig
 from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
 from runtime.sampling import SamplingParams
@@ -19,7 +22,7 @@ def smollm2_shape():
     return random_models("smollm2-135m", torch.float32, "cpu", max_seq_len=128, with_hf=False)[0]
 
 
-def test_static_decode_step_equals_the_engine(smollm2_shape):
+def test_static_decode_step_equals_the_engine(smollm2_shape, min_span):
     model = smollm2_shape
     engine = Engine(model, None, EngineConfig(max_seq_len=128, adaptive=False))
     decoder = GraphedGreedyDecoder(model, max_len=128, use_graph=False)
@@ -29,6 +32,34 @@ def test_static_decode_step_equals_the_engine(smollm2_shape):
         stop = (expected[20],)  # the stop check runs every STOP_CHECK tokens: the output still ends at the stop
         stopped = engine.generate(prompt, 40, SamplingParams(), stop_ids=stop).tokens
         assert len(stopped) <= 21 and decoder.generate(prompt, 40, stop) == stopped
+
+
+def test_static_steps_attend_over_the_span_that_holds_the_context(smollm2_shape, monkeypatch):
+    """key_span: powers of two from MIN_SPAN, capped at the cache. The static decode and verify steps read that
+    span of the cache, a longer one as the context grows, not the whole cache."""
+    assert [key_span(n, 8192) for n in (1, 256, 257, 5000, 8192)] == [256, 256, 512, 8192, 8192]
+    assert key_span(300, 300) == 300
+    with pytest.raises(ValueError, match="needs 301 keys, expected 1..300"):
+        key_span(301, 300)
+    monkeypatch.setattr(cuda_graphs, "MIN_SPAN", 16)
+    model = smollm2_shape
+    prompt = random_prompts(model.config.vocab_size, 1, seed=3, lengths=(20, 20))[0]
+    decoder, spans = GraphedGreedyDecoder(model, max_len=128, use_graph=False), []
+    step = decoder.run_step
+    monkeypatch.setattr(decoder, "run_step", lambda span: spans.append(span) or step(span))
+    decoder.generate(prompt, 40)
+    assert spans == [key_span(21 + k, 128) for k in range(39)] and set(spans) == {32, 64}  # positions 20..58
+
+    plain = Engine(model, None, EngineConfig(max_seq_len=128, adaptive=False))
+    references = {tuple(prompt): prompt + plain.generate(prompt, 38, SamplingParams()).tokens}
+    engine = Engine(model, ReplayDrafter(model.config.vocab_size, references, 0.7, seed=1),
+                    EngineConfig(max_seq_len=128, adaptive=False, static_verify=True))
+    spans.clear()
+    run_placed = model.run_placed
+    monkeypatch.setattr(model, "run_placed", lambda *a, **k: spans.append(a[4]) or run_placed(*a, **k))
+    assert engine.generate(prompt, 30, SamplingParams()).tokens == references[tuple(prompt)][20:50]
+    assert spans[0] == 20  # the prefill, eager: its 20 keys
+    assert spans[1:] == sorted(spans[1:]) and set(spans[1:]) == {32, 64}  # cached + a verify's bucket: 21..58
 
 
 def test_graphs_need_a_cuda_model(smollm2_shape):
@@ -48,7 +79,7 @@ def _prefilled(model, prompt, max_len):
 @pytest.mark.parametrize("buckets, prompt_len", [((1, 2, 4, 8), 20),  # padded 6 -> 8
                                                  ((1, 2, 4, 8), 58),  # 58 + 8 > 64: eager
                                                  ((1, 2, 4), 20)])  # no bucket holds 6: eager
-def test_static_verify_step_equals_the_eager_forward(smollm2_shape, buckets, prompt_len):
+def test_static_verify_step_equals_the_eager_forward(smollm2_shape, buckets, prompt_len, min_span):
     """A padded, whole-cache verify of a branching tree gives the real rows the eager forward's logits, features
     and KV; where no bucket fits, it is the eager forward."""
     model, max_len = smollm2_shape, 64
@@ -70,7 +101,7 @@ def test_static_verify_step_equals_the_eager_forward(smollm2_shape, buckets, pro
     assert int(static_cache.lengths[0]) == prompt_len  # a verify writes but does not commit
 
 
-def test_engine_with_static_verify_is_lossless(smollm2_shape):
+def test_engine_with_static_verify_is_lossless(smollm2_shape, min_span):
     """Speculation through the static verify step: the plain decode's tokens, and the eager verify's acceptance."""
     model, n = smollm2_shape, 14
     prompts = random_prompts(model.config.vocab_size, 2, seed=7)
@@ -139,6 +170,22 @@ def test_step_costs_time_every_bucket_and_budget_and_refuse_a_tree_that_does_not
     assert costs["decode_ms"] > 0 and all(ms > 0 for ms in [*costs["verify_ms"].values(), *costs["draft_ms"].values()])
     with pytest.raises(ValueError, match="budget 9x9: its tree does not fit"):  # 8 x 9 expanded nodes
         step_costs("smollm2-135m", torch.float32, "cpu", context=32, budgets=("9x9",), buckets=(1, 8), repeats=1)
+
+
+def test_step_tools_take_the_served_cache_length_and_the_smallest_key_span(tmp_path, monkeypatch, capsys):
+    """--cache-len sizes the caches as serving does; --min-span the cache's length times the whole-cache steps."""
+    from runtime.step_costs import main
+
+    monkeypatch.setattr(cuda_graphs, "MIN_SPAN", cuda_graphs.MIN_SPAN)  # restored after --min-span sets it
+    out = tmp_path / "costs.json"
+    main(["--random-weights", "smollm2-135m", "--device", "cpu", "--dtype", "float32", "--context", "32",
+          "--budgets", "1x3/3", "--repeats", "1", "--cache-len", "300", "--min-span", "300", "--out", str(out)])
+    costs = json.loads(out.read_text())
+    assert costs["cache_len"] == 300 and costs["min_span"] == cuda_graphs.MIN_SPAN == 300
+    assert "a cache of 300, key spans from 300" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--random-weights", "smollm2-135m", "--device", "cpu", "--min-span", "0"])
+    assert "--min-span 0: expected a number of keys >= 1" in capsys.readouterr().err
 
 
 def test_step_profile_splits_a_step_into_its_phases_and_counts_what_it_dispatches():

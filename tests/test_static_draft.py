@@ -34,7 +34,7 @@ BUDGETS = [DraftBudget(3), DraftBudget(2), DraftBudget(4, 2), DraftBudget(1, 3),
 
 
 @pytest.mark.parametrize("buckets", [(1, 2, 4, 8, 16), (1, 2)], ids=["bucketed", "small-buckets-fall-back"])
-def test_static_tree_proposes_what_the_eager_drafter_does(target, eagle, buckets, monkeypatch):
+def test_static_tree_proposes_what_the_eager_drafter_does(target, eagle, buckets, monkeypatch, min_span):
     ids = torch.randint(0, target.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         feats = target.run(ids[None], target.new_cache(1, 64), torch.arange(48)[None]).hidden[0]
@@ -77,7 +77,7 @@ def test_static_tree_fits_its_buckets_and_the_cache(eagle):
 
 @pytest.mark.parametrize("temperature, budget", [(0.0, DraftBudget(3)), (0.0, DraftBudget(2, 3, 5)),
                                                  (1.0, DraftBudget(3))])
-def test_engine_with_static_drafting_generates_the_same(target, eagle, temperature, budget):
+def test_engine_with_static_drafting_generates_the_same(target, eagle, temperature, budget, min_span):
     """Greedy: the static tree and verify give the eager engine's tokens and tau. Sampling drafts eagerly (the
     static tree is greedy only), so with the same seed the tokens are the same too."""
     prompt = torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()

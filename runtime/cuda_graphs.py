@@ -9,7 +9,7 @@ Capture needs static shapes, so the captured step differs from `Transformer.run`
 static span of the KV cache with a mask (key slot <= position) instead of slicing the cache to the live length.
 The span is the smallest power of two (at least MIN_SPAN, at most the cache) that holds the step's keys, one graph
 per span: a step's attention costs what the live context needs, not the whole cache (serving allocates the
-target's full context, 8192 tokens for SmolLM2), at a few graphs more. The arithmetic over visible keys is the
+target's full context, 4096 tokens for SmolLM2), at a few graphs more. The arithmetic over visible keys is the
 same; masked keys get weight exactly 0. Same modules, same weights, same KV cache class (runtime/kv_cache.py):
 the prefill runs through the ordinary `Transformer.forward`.
 

@@ -35,7 +35,8 @@ RUNTIME_CALLS = {"graph_replays": ("cudaGraphLaunch",), "kernel_launches": ("cud
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the operators dispatched (views left out: they launch nothing)."""
+    """Counts the operators dispatched (views, and conversions to what a tensor already is, left out: they launch
+    nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -43,9 +44,10 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in VIEWS:
+        out = func(*args, **(kwargs or {}))
+        if name not in VIEWS and not (name == "to" and out is args[0]):  # under inference_mode `to` comes whole
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 @contextlib.contextmanager

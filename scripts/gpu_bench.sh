@@ -27,6 +27,9 @@ python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --ma
   --out "$OUT/smollm2_bf16.json"
 python3 -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 --budget 2x3/6 \
   --out "$OUT/step_profile_bf16.json"
+# the graph rows across key spans (up to 384 keys: spans of 256 and 512), in fp32, where their tokens equal our AR's
+python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 320 --n-prompts 2 \
+  --out "$OUT/smollm2_fp32_spans.json"
 [ -n "$QUICK" ] && exit 0
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
 python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \

@@ -233,7 +233,8 @@ class StaticVerifier:
 
     With `sparse` (SpecAttn) a call may bring `keep` [Ld, Hkv, 1, max_len], the draft layers' kept keys over the
     whole static cache. It is copied into a static buffer, and the step narrows it to the live keys and this step's
-    (within its span) before the layers read it, so a backend that skips unkept keys (triton_sparse) reads no slot beyond them.
+    (within its span) before the layers read it, so a backend that skips unkept keys (triton_sparse) reads no slot
+    beyond them.
 
     The outputs are views of static buffers, valid until the next call; the Engine reads them within its step.
     Off CUDA (`use_graph=False`) the same static step runs eagerly: that is what the CPU tests check. `compile`

@@ -82,8 +82,9 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
             raise ValueError(f"budget {spec}: its tree does not fit a cache of {max_len} after {context} tokens")
         draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget, context), sync, repeats)
     return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
-            "torch": torch.__version__, "graphs": use_graph, "compiled": compiled, "context": context, "cache_len": max_len,
-            "pending_pairs": PENDING, "decode_ms": decode_ms, "verify_ms": verify_ms, "draft_ms": draft_ms}
+            "torch": torch.__version__, "graphs": use_graph, "compiled": compiled, "context": context,
+            "cache_len": max_len, "pending_pairs": PENDING, "decode_ms": decode_ms, "verify_ms": verify_ms,
+            "draft_ms": draft_ms}
 
 
 def print_costs(costs: dict) -> None:

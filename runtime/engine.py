@@ -189,8 +189,8 @@ class Engine:
 
         stats = _Stats(cfg)
         stopped = root in stop
+        n_cached = n  # the cache's length, kept on the host: reading it would wait for the device
         while len(out) < max_new_tokens and not stopped:
-            n_cached = int(cache.lengths[0])  # read from the device once a step, for room and n_live
             room = min(cfg.max_seq_len - n_cached - 1, max_new_tokens - len(out) - 1)
             if isinstance(cache, QuantizedKVCache):  # one quantisation boundary per verify keeps it lossless
                 room = min(room, cache.exact_depth())
@@ -199,24 +199,26 @@ class Engine:
                 tree = drafter.propose(stats.budget(room), params, generator)
                 if len(tree) > room:
                     raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
+                cap = min(cfg.max_tree, room) if cfg.max_tree and params.greedy else room
                 if lookup is not None:
                     # both branches draft within the room and the best-scored nodes of their union fill it: the
                     # drafter's tree first would starve the lookup branch once a reply nears max_new_tokens
-                    tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room)), params))
-                cap = min(cfg.max_tree, room) if cfg.max_tree and params.greedy else room
-                if len(tree) > cap:  # greedy only: a union with the lookup branch, or max_tree
+                    tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room)), params), limit=cap)
+                if len(tree) > cap:  # greedy only: max_tree
                     tree = tree.best(cap)
                 stats.draft_s += clock.lap()
 
-            length = cache.lengths[0]
-            tokens = torch.cat([torch.tensor([root], device=device), tree.tokens])[None]
-            positions = length + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths()])[None]
+            # the verify's inputs in one copy from the host: tokens, positions and (with a tree) the ancestor mask
+            depths = [0] + tree.depth_list()
+            inputs = torch.tensor([[root] + tree.host_lists().tokens, [n_cached + d for d in depths]]
+                                  + (tree.ancestor_rows() if len(tree) else []), dtype=torch.long, device=device)
+            tokens, positions = inputs[:1], inputs[1:2]
             n_live = n_cached + tokens.shape[1]
             # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
             keep = self._kept_keys(cache.max_len if self.static is not None else n_live) \
                 if cfg.sparse is not None and len(tree) else None
             layers = self._layer_keep(keep if keep is None else keep[..., :n_live])  # per target layer, live keys
-            tree_mask = tree.ancestor_mask() if len(tree) else None
+            tree_mask = inputs[2:].bool() if len(tree) else None
             if self.static is not None:
                 logits, hidden = self.static(tokens, positions, tree_mask, keep, cached=n_cached)
             else:
@@ -227,11 +229,13 @@ class Engine:
 
             rows = [0] + [i + 1 for i in verdict.accepted]  # the root's and the accepted nodes' slots
             cache.compact(rows)
+            n_cached += len(rows)
             stats.rollback_s += clock.lap()
 
-            committed = tree.tokens[verdict.accepted].tolist() + [verdict.next_token]
-            if speculating:
-                drafter.commit(torch.tensor(committed, device=device), self._features(hidden[0, rows]))
+            committed = [tree.host_lists().tokens[i] for i in verdict.accepted] + [verdict.next_token]
+            if speculating:  # the committed tokens and their rows, one copy to the device
+                moved = torch.tensor([committed, rows], device=device)
+                drafter.commit(moved[0], self._features(hidden[0].index_select(0, moved[1])))
                 if lookup is not None:
                     lookup.commit(torch.tensor(committed))
                 stats.draft_s += clock.lap()

@@ -212,6 +212,4 @@ class NgramDrafter(Drafter):
             scores.append(depth_score(depth, first, later))
             if depth < budget.depth:
                 push_children(node, len(tokens) - 1, depth + 1)
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
-                         torch.tensor(parents, dtype=torch.long, device=device), None,
-                         torch.tensor(scores, device=device))
+        return DraftTree.from_lists(tokens, parents, scores, device)

@@ -6,12 +6,12 @@ Row 0 of any per-position tensor (logits, hidden, q) belongs to the root, row i+
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)  # its host copy (host_lists) stays the tensors' copy
 class DraftTree:
     tokens: torch.Tensor  # [N] long
     parents: torch.Tensor  # [N] long, -1 = child of the root
@@ -22,20 +22,39 @@ class DraftTree:
     # cumulative draft log-probability; the n-gram lookup: a fixed log-rate per depth). None: the drafter does not
     # rank its nodes. `best` keeps the best-scored ones when a verify must hold fewer.
     scores: torch.Tensor | None = None  # [N] float
+    # the same tokens, parents and scores as host lists, where the maker has them (see HostLists)
+    host: InitVar["HostLists | None"] = None
 
-    def __post_init__(self):
+    def __post_init__(self, host: "HostLists | None"):
         n = self.tokens.numel()
         if self.parents.numel() != n:
             raise ValueError(f"DraftTree: {n} tokens but {self.parents.numel()} parents")
         if self.scores is not None and self.scores.numel() != n:
             raise ValueError(f"DraftTree: {n} tokens but {self.scores.numel()} scores")
-        if n and bool((self.parents >= torch.arange(n, device=self.parents.device)).any()):
+        object.__setattr__(self, "_host", host)
+        if any(p >= i for i, p in enumerate(self.host_lists().parents)):
             raise ValueError("DraftTree: every parent must come before its child")
+
+    def host_lists(self) -> "HostLists":
+        """Tokens, parents and scores on the host, read from the device once (on a GPU each read waits for it; the
+        engine walks a tree several times a step)."""
+        if self._host is None:
+            object.__setattr__(self, "_host", HostLists.read(self.tokens, self.parents, self.scores))
+        return self._host
+
+    @staticmethod
+    def from_lists(tokens: list[int], parents: list[int], scores: list[float] | None,
+                   device: torch.device | str) -> "DraftTree":
+        """A tree made on the host: its tensors in two copies to `device` (one without scores), none read back."""
+        ids = torch.tensor([tokens, parents], dtype=torch.long, device=device)
+        ranks = None if scores is None else torch.tensor(scores)  # float32: the host copy holds what it holds
+        return DraftTree(ids[0], ids[1], None, None if ranks is None else ranks.to(device),
+                         host=HostLists(tokens, parents, None if ranks is None else ranks.tolist()))
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "DraftTree":
         z = torch.zeros(0, dtype=torch.long, device=device)
-        return DraftTree(z, z.clone())
+        return DraftTree(z, z.clone(), host=HostLists([], [], None))
 
     @staticmethod
     def chain(tokens: torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
@@ -45,35 +64,40 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def depth_list(self) -> list[int]:
+        """Depth of each node; children of the root have depth 1."""
+        d: list[int] = []
+        for p in self.host_lists().parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
     def depths(self) -> torch.Tensor:
-        """[N] depth of each node; children of the root have depth 1."""
-        d = torch.zeros(len(self), dtype=torch.long)
-        par = self.parents.tolist()
-        for i, p in enumerate(par):
-            d[i] = 1 if p < 0 else d[p] + 1
-        return d.to(self.tokens.device)
+        """[N] depth of each node, on the tree's device."""
+        return torch.tensor(self.depth_list(), dtype=torch.long, device=self.tokens.device)
+
+    def ancestor_rows(self) -> list[list[bool]]:
+        """[N+1][N+1] over rows (root first): row r may attend to column c iff c is r or an ancestor."""
+        n = len(self)
+        rows = [[True] + [False] * n]
+        for i, p in enumerate(self.host_lists().parents):
+            row = rows[p + 1].copy()
+            row[i + 1] = True
+            rows.append(row)
+        return rows
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[N+1, N+1] bool over rows (root first): row r may attend to column c iff c is r or an ancestor."""
-        n = len(self)
-        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        m[:, 0] = True
-        m[0, 0] = True
-        par = self.parents.tolist()
-        for i, p in enumerate(par):
-            m[i + 1] = m[p + 1]
-            m[i + 1, i + 1] = True
-        return m.to(self.tokens.device)
+        """[N+1, N+1] bool ancestor_rows, on the tree's device."""
+        return torch.tensor(self.ancestor_rows(), dtype=torch.bool, device=self.tokens.device)
 
-    def union(self, other: "DraftTree") -> "DraftTree":
+    def union(self, other: "DraftTree", limit: int | None = None) -> "DraftTree":
         """Both trees as one trie below the same root: `other`'s nodes that repeat a path of this tree are merged
         into it, the rest appended (topological order kept); a merged node keeps the higher score (scores only if
         both trees have them). Deterministic trees only: drawn siblings' q would no longer describe how the merged
-        children were drawn."""
+        children were drawn. `limit`: cut to its best `limit` nodes (as `best`) before it is made."""
         if self.q is not None or other.q is not None:
             raise ValueError("DraftTree.union: trees with draft distributions q cannot be merged (greedy only)")
         if not len(other):  # the common step where the lookup found no match: nothing to rebuild
-            return self
+            return self if limit is None else self.best(limit)
         ranked = self.scores is not None and other.scores is not None
         index: dict[tuple[int, int], int] = {}
         tokens: list[int] = []
@@ -81,8 +105,8 @@ class DraftTree:
         scores: list[float] = []
         for tree in (self, other):
             merged: list[int] = []  # this tree's node -> its node in the union
-            tree_scores = tree.scores.tolist() if ranked else [0.0] * len(tree)
-            for token, parent, score in zip(tree.tokens.tolist(), tree.parents.tolist(), tree_scores):
+            h = tree.host_lists()
+            for token, parent, score in zip(h.tokens, h.parents, h.scores if ranked else [0.0] * len(tree)):
                 key = (-1 if parent < 0 else merged[parent], token)
                 if key not in index:
                     index[key] = len(tokens)
@@ -91,7 +115,10 @@ class DraftTree:
                     scores.append(score)
                 scores[index[key]] = max(scores[index[key]], score)
                 merged.append(index[key])
-        return self._subtree(tokens, parents, scores if ranked else None)
+        union = HostLists(tokens, parents, scores if ranked else None)
+        if limit is not None and len(tokens) > limit:
+            union = union.best(limit)
+        return DraftTree.from_lists(union.tokens, union.parents, union.scores, self.tokens.device)
 
     def best(self, n: int) -> "DraftTree":
         """The tree cut to its n best-scored nodes (unranked: the first n), parents before children as before. A
@@ -101,25 +128,38 @@ class DraftTree:
             return self
         if self.q is not None:
             raise ValueError("DraftTree.best: trees with draft distributions q cannot be cut (greedy only)")
-        s = self.scores.tolist() if self.scores is not None else [0.0] * len(self)
-        keep = sorted(sorted(range(len(self)), key=lambda i: (-s[i], i))[:n])
-        new = {old: i for i, old in enumerate(keep)}
-        parents = self.parents.tolist()
-        if any(parents[i] >= 0 and parents[i] not in new for i in keep):
-            raise ValueError("DraftTree.best: a node scores above its parent")
-        tokens = self.tokens.tolist()
-        return self._subtree([tokens[i] for i in keep], [new.get(parents[i], -1) for i in keep],
-                             None if self.scores is None else [s[i] for i in keep])
-
-    def _subtree(self, tokens: list[int], parents: list[int], scores: list[float] | None) -> "DraftTree":
-        device = self.tokens.device
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
-                         torch.tensor(parents, dtype=torch.long, device=device), None,
-                         None if scores is None else torch.tensor(scores, device=device))
+        cut = self.host_lists().best(n)
+        return DraftTree.from_lists(cut.tokens, cut.parents, cut.scores, self.tokens.device)
 
     def children(self) -> list[list[int]]:
         """children()[r] = node indices whose parent row is r (row 0 = root), in proposal order."""
         out: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.host_lists().parents):
             out[p + 1].append(i)
         return out
+
+
+@dataclass(frozen=True)
+class HostLists:
+    """A tree's tokens, parents and scores (None: unranked) as Python lists."""
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float] | None
+
+    @staticmethod
+    def read(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor | None) -> "HostLists":
+        """One read from the device: tokens and parents, and scores if any, copied together (float64 holds every
+        token id and float32 score exactly)."""
+        rows = [tokens.double(), parents.double()] + ([] if scores is None else [scores.double()])
+        t, p, *s = torch.stack(rows).tolist()
+        return HostLists([int(x) for x in t], [int(x) for x in p], s[0] if s else None)
+
+    def best(self, n: int) -> "HostLists":
+        """The n best-scored nodes (DraftTree.best)."""
+        s = self.scores if self.scores is not None else [0.0] * len(self.tokens)
+        keep = sorted(sorted(range(len(s)), key=lambda i: (-s[i], i))[:n])
+        new = {old: i for i, old in enumerate(keep)}
+        if any(self.parents[i] >= 0 and self.parents[i] not in new for i in keep):
+            raise ValueError("DraftTree.best: a node scores above its parent")
+        return HostLists([self.tokens[i] for i in keep], [new.get(self.parents[i], -1) for i in keep],
+                         None if self.scores is None else [s[i] for i in keep])

@@ -81,8 +81,7 @@ def test_union_merges_shared_paths_and_appends_the_rest():
 def test_union_keeps_the_higher_score_of_a_merged_node_and_best_keeps_the_likeliest():
     # drafter: root -> 7 (-0.2) -> 8 (-0.9), root -> 9 (-1.5); lookup: root -> 7 (-0.5) -> 8 (-0.6) -> 10 (-0.8)
     a = DraftTree(torch.tensor([7, 9, 8]), torch.tensor([-1, -1, 0]), scores=torch.tensor([-0.2, -1.5, -0.9]))
-    b = DraftTree.chain(torch.tensor([7, 8, 10]))
-    b.scores = torch.tensor([-0.5, -0.6, -0.8])
+    b = DraftTree(torch.tensor([7, 8, 10]), torch.tensor([-1, 0, 1]), scores=torch.tensor([-0.5, -0.6, -0.8]))
     u = a.union(b)
     assert u.tokens.tolist() == [7, 9, 8, 10] and u.scores.tolist() == pytest.approx([-0.2, -1.5, -0.6, -0.8])
     assert a.union(DraftTree.chain(torch.tensor([5]))).scores is None  # an unranked tree: no scores to compare
@@ -102,3 +101,41 @@ def test_union_refuses_trees_drawn_with_a_distribution():
     sampled = DraftTree.chain(torch.tensor([3]), q=torch.full((2, 4), 0.25))
     with pytest.raises(ValueError, match="greedy only"):
         sampled.union(DraftTree.chain(torch.tensor([3])))
+
+
+def test_a_tree_is_read_to_the_host_once_and_a_tree_made_there_not_at_all(monkeypatch):
+    """On a GPU each read of a tree's tensors waits for the device; the engine walks a tree several times a step
+    (union, best, depths, mask, verify, acceptance stats), so a tree reads its tensors once, and one made from host
+    lists (union, best, the lookup branch) never."""
+    import dataclasses
+
+    from runtime import tree as tree_module
+    from runtime.verify import verify_greedy
+
+    reads = []
+    read = tree_module.HostLists.read
+    monkeypatch.setattr(tree_module.HostLists, "read", staticmethod(lambda *a: reads.append(1) or read(*a)))
+    scores = torch.tensor([-0.1, -0.7, -0.2, -0.3, -0.4, -0.9])
+    drafted = DraftTree(torch.arange(10, 16), torch.tensor(BRANCHY), scores=scores)
+    assert len(reads) == 1  # the parents check
+    drafted.depths(), drafted.ancestor_mask(), drafted.children(), drafted.best(3)
+    lookup = DraftTree.from_lists([10, 12, 20], [-1, 0, 1], [-0.05, -0.15, -0.6], "cpu")
+    union = drafted.union(lookup)
+    verify_greedy(union, torch.randn(len(union) + 1, 32))
+    assert len(reads) == 1
+    assert drafted.host_lists().scores == scores.tolist()  # float32 values, as the tensor holds them
+    assert union.host_lists().tokens == union.tokens.tolist() and union.host_lists().parents == union.parents.tolist()
+    assert union.host_lists().scores == union.scores.tolist() == pytest.approx([-0.05, -0.7, -0.15, -0.3, -0.4,
+                                                                                -0.9, -0.6])
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the host copy stays the tensors' copy
+        drafted.scores = scores
+
+
+def test_union_with_a_limit_is_the_union_cut_to_its_best():
+    drafted = DraftTree(torch.arange(10, 16), torch.tensor(BRANCHY),
+                        scores=torch.tensor([-0.1, -0.7, -0.2, -0.3, -0.4, -0.9]))
+    lookup = DraftTree.from_lists([10, 12, 20, 21], [-1, 0, 1, 2], [-0.05, -0.15, -0.6, -0.65], "cpu")
+    for limit in (2, 5, 8, 20):
+        whole, cut = drafted.union(lookup).best(limit), drafted.union(lookup, limit=limit)
+        assert cut.host_lists() == whole.host_lists() and cut.tokens.tolist() == whole.tokens.tolist()
+    assert drafted.union(DraftTree.empty(), limit=3).tokens.tolist() == drafted.best(3).tokens.tolist()

@@ -4,7 +4,9 @@ tokens. This profiles the engine as serving runs it (static verify, graphed EAGL
 per step: the wall time of each phase, the operators dispatched outside the graphs (each a kernel launch on a GPU),
 and on a GPU the graph replays, kernel launches, device-busy time and every place the host waits for the device
 (torch.cuda's sync debug mode), by file and line. On the CPU, where nothing is captured, the counts include the
-static steps run eagerly.
+static steps run eagerly; apart from them it counts what runs outside the static steps (StepCounter): the
+operators, host reads of a tensor and tensors made from host data that a GPU step has to launch or wait for (the
+lookup branch's among them, which stay on the host there).
 
     python -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 [--budget 2x3/6] [--out p.json]
 """
@@ -50,6 +52,59 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
+HOST_READS = {"item", "_local_scalar_dense", "is_nonzero"}  # a tensor's value read by the host (and .tolist())
+
+
+class StepCounter(OpCounter):
+    """OpCounter, and apart from it what runs outside the static steps (`eager`): on a GPU each operator there is a
+    launch of its own, each host read of a tensor's value (`host_reads`) a wait for the device, and each tensor made
+    from host data (`host_copies`) a copy the host waits for. On the CPU these say what a GPU step would do."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.eager: Counter[str] = Counter()
+        self.depth = 0  # > 0: inside a static step
+        self.steps = [(engine.static, "_step"), (engine.static, "dense_step")] if engine.static else []
+        if getattr(engine.drafter, "static", None) is not None:
+            self.steps.append((engine.drafter.static, "run_step"))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = func.overloadpacket.__name__
+        if not self.depth and name not in VIEWS and not (name == "to" and out is args[0]):
+            self.eager["ops"] += 1
+            self.eager["host_reads"] += name in HOST_READS
+            self.eager["host_copies"] += name == "lift_fresh"
+        return out
+
+    def __enter__(self):
+        def marked(step):
+            def run(*args, **kwargs):
+                self.depth += 1
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    self.depth -= 1
+            return run
+
+        def tolist(tensor):
+            self.eager["host_reads"] += not self.depth
+            return tolist_of(tensor)
+
+        tolist_of, self.saved = torch.Tensor.tolist, [(obj, name, obj.__dict__.get(name)) for obj, name in self.steps]
+        for obj, name in self.steps:
+            setattr(obj, name, marked(getattr(obj, name)))
+        torch.Tensor.tolist = tolist
+        self.tolist_of = tolist_of
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist_of
+        for obj, name, own in self.saved:  # an instance attribute back as it was, a method's shadow removed
+            setattr(obj, name, own) if own is not None else delattr(obj, name)
+        return super().__exit__(*exc)
+
+
 @contextlib.contextmanager
 def sync_sites(on_cuda: bool):
     """Collects where the host waits for the device: a Counter of 'file:line' (CUDA only; empty elsewhere)."""
@@ -73,12 +128,12 @@ def counted(engine: Engine, prompt: list[int], new_tokens: int) -> dict[str, Cou
     calls, host-wait sites, and the device-busy microseconds (under 'busy_us')."""
     on_cuda = engine.target.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_cuda
-    with sync_sites(on_cuda) as sites, OpCounter() as ops, profile(activities=activities) as prof:
+    with sync_sites(on_cuda) as sites, StepCounter(engine) as ops, profile(activities=activities) as prof:
         engine.generate(prompt, new_tokens)
     events = prof.key_averages()
     busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events
                   if str(getattr(e, "device_type", "")).endswith("CUDA"))
-    return {"ops": ops.ops, "calls": Counter({e.key: e.count for e in events}), "sites": sites,
+    return {"ops": ops.ops, "eager": ops.eager, "calls": Counter({e.key: e.count for e in events}), "sites": sites,
             "busy_us": Counter(busy=busy_us)}
 
 
@@ -89,10 +144,11 @@ def profile_engine(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
     m = engine.generate(prompt, new_tokens).metrics
     steps = max(1, m.target_forwards)
     whole, prefill = counted(engine, prompt, new_tokens), counted(engine, prompt, 1)
-    ops, calls, sites, busy = (whole[k] - prefill[k] for k in ("ops", "calls", "sites", "busy_us"))
+    ops, eager, calls, sites, busy = (whole[k] - prefill[k] for k in ("ops", "eager", "calls", "sites", "busy_us"))
     report = {"steps": steps, "tau": m.tau, "ms_a_step": m.ms_per_forward,
               **{f"{phase}_ms": 1e3 * getattr(m, f"{phase}_s") / steps for phase in ("draft", "verify", "rollback")},
-              "ops_a_step": sum(ops.values()) / steps, "top_ops": {k: v / steps for k, v in ops.most_common(12)}}
+              "ops_a_step": sum(ops.values()) / steps, "top_ops": {k: v / steps for k, v in ops.most_common(12)},
+              **{f"eager_{k}_a_step": eager[k] / steps for k in ("ops", "host_reads", "host_copies")}}
     report["other_ms"] = report["ms_a_step"] - sum(report[f"{p}_ms"] for p in ("draft", "verify", "rollback"))
     if engine.target.device.type == "cuda":
         report |= {name: sum(calls[c] for c in names) / steps for name, names in RUNTIME_CALLS.items()}
@@ -126,6 +182,9 @@ def print_profile(p: dict) -> None:
           f"{p['rollback_ms']:.3f}, the rest {p['other_ms']:.3f}")
     print(f"  operators dispatched a step {p['ops_a_step']:.1f}: " +
           ", ".join(f"{k} {v:.1f}" for k, v in p["top_ops"].items()))
+    print(f"  outside the static steps, a step: {p['eager_ops_a_step']:.1f} operators, "
+          f"{p['eager_host_reads_a_step']:.1f} host reads of a tensor, {p['eager_host_copies_a_step']:.1f} tensors "
+          "made from host data")
     if "graph_replays" in p:
         print(f"  a step: {p['graph_replays']:.1f} graph replays, {p['kernel_launches']:.1f} kernel launches, "
               f"{p['device_syncs']:.1f} synchronize calls, {p['copies']:.1f} copies, device busy "

@@ -198,5 +198,8 @@ def test_step_profile_splits_a_step_into_its_phases_and_counts_what_it_dispatche
     # on the CPU the static steps run eagerly, so their operators count: 30 layers, each with its projections
     assert p["ops_a_step"] > 30 * 4 and p["top_ops"]["linear"] >= 30 * 4
     assert "graph_replays" not in p and "host_waits" not in p  # CUDA only
+    # outside the static steps, what a GPU step launches and waits for: a handful a step, none per draft node (the
+    # tree is read to the host once and its verify inputs go to the device in one copy)
+    assert 0 < p["eager_ops_a_step"] < 80 and p["eager_host_reads_a_step"] <= 6 and p["eager_host_copies_a_step"] <= 6
     with pytest.raises(SystemExit):
         main(["--random-weights", "smollm2-135m", "--device", "cpu", "--budget", "0x3"])

@@ -48,8 +48,11 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
         if name not in VIEWS and not (name == "to" and out is args[0]):  # under inference_mode `to` comes whole
-            self.ops[name] += 1
+            self.count(name)
         return out
+
+    def count(self, name: str) -> None:
+        self.ops[name] += 1
 
 
 HOST_READS = {"item", "_local_scalar_dense", "is_nonzero"}  # a tensor's value read by the host (and .tolist())
@@ -68,14 +71,12 @@ class StepCounter(OpCounter):
         if getattr(engine.drafter, "static", None) is not None:
             self.steps.append((engine.drafter.static, "run_step"))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        name = func.overloadpacket.__name__
-        if not self.depth and name not in VIEWS and not (name == "to" and out is args[0]):
+    def count(self, name: str) -> None:
+        super().count(name)
+        if not self.depth:
             self.eager["ops"] += 1
             self.eager["host_reads"] += name in HOST_READS
             self.eager["host_copies"] += name == "lift_fresh"
-        return out
 
     def __enter__(self):
         def marked(step):
@@ -89,13 +90,12 @@ class StepCounter(OpCounter):
 
         def tolist(tensor):
             self.eager["host_reads"] += not self.depth
-            return tolist_of(tensor)
+            return self.tolist_of(tensor)
 
-        tolist_of, self.saved = torch.Tensor.tolist, [(obj, name, obj.__dict__.get(name)) for obj, name in self.steps]
+        self.saved = [(obj, name, obj.__dict__.get(name)) for obj, name in self.steps]
         for obj, name in self.steps:
             setattr(obj, name, marked(getattr(obj, name)))
-        torch.Tensor.tolist = tolist
-        self.tolist_of = tolist_of
+        self.tolist_of, torch.Tensor.tolist = torch.Tensor.tolist, tolist
         return super().__enter__()
 
     def __exit__(self, *exc):

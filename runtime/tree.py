@@ -6,6 +6,7 @@ Row 0 of any per-position tensor (logits, hidden, q) belongs to the root, row i+
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import InitVar, dataclass
 
 import torch
@@ -47,9 +48,9 @@ class DraftTree:
                    device: torch.device | str) -> "DraftTree":
         """A tree made on the host: its tensors in two copies to `device` (one without scores), none read back."""
         ids = torch.tensor([tokens, parents], dtype=torch.long, device=device)
-        ranks = None if scores is None else torch.tensor(scores)  # float32: the host copy holds what it holds
-        return DraftTree(ids[0], ids[1], None, None if ranks is None else ranks.to(device),
-                         host=HostLists(tokens, parents, None if ranks is None else ranks.tolist()))
+        scores = None if scores is None else array("f", scores).tolist()  # float32, as the tensor holds them
+        return DraftTree(ids[0], ids[1], None, None if scores is None else torch.tensor(scores, device=device),
+                         host=HostLists(tokens, parents, scores))
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "DraftTree":

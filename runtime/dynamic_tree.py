@@ -91,9 +91,6 @@ def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, par
     keep = sorted(sorted(range(len(c.tokens)), key=lambda i: (-c.eff[i], i))[:limit])
     index = {old: new for new, old in enumerate(keep)}
     device = root_probs.device
-    tokens = torch.tensor([c.tokens[i] for i in keep], dtype=torch.long, device=device)
-    parents = torch.tensor([index[c.parents[i]] if c.parents[i] >= 0 else -1 for i in keep], dtype=torch.long,
-                           device=device)
     q = None
     if keep_q:  # only sampling verification reads q; skip the [N+1, V] tensor under greedy
         q = torch.zeros(len(keep) + 1, root_probs.numel(), dtype=root_probs.dtype, device=device)
@@ -105,7 +102,8 @@ def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, par
                 q[index[node] + 1] = probs
         if vocab is not None:
             q = vocab.to_target(q)
-    return DraftTree(tokens, parents, q, torch.tensor([c.eff[i] for i in keep], device=device))
+    parents = [index[c.parents[i]] if c.parents[i] >= 0 else -1 for i in keep]
+    return DraftTree.from_lists([c.tokens[i] for i in keep], parents, [c.eff[i] for i in keep], device, q)
 
 
 class TreeSlots:

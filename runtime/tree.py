@@ -44,12 +44,12 @@ class DraftTree:
         return self._host
 
     @staticmethod
-    def from_lists(tokens: list[int], parents: list[int], scores: list[float] | None,
-                   device: torch.device | str) -> "DraftTree":
+    def from_lists(tokens: list[int], parents: list[int], scores: list[float] | None, device: torch.device | str,
+                   q: torch.Tensor | None = None) -> "DraftTree":
         """A tree made on the host: its tensors in two copies to `device` (one without scores), none read back."""
         ids = torch.tensor([tokens, parents], dtype=torch.long, device=device)
         scores = None if scores is None else array("f", scores).tolist()  # float32, as the tensor holds them
-        return DraftTree(ids[0], ids[1], None, None if scores is None else torch.tensor(scores, device=device),
+        return DraftTree(ids[0], ids[1], q, None if scores is None else torch.tensor(scores, device=device),
                          host=HostLists(tokens, parents, scores))
 
     @staticmethod

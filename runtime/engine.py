@@ -215,7 +215,7 @@ class Engine:
             tokens, positions = inputs[:1], inputs[1:2]
             n_live = n_cached + tokens.shape[1]
             # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
-            keep = self._kept_keys(cache.max_len if self.static is not None else n_live) \
+            keep = self._kept_keys(n_cached, cache.max_len if self.static is not None else n_live) \
                 if cfg.sparse is not None and len(tree) else None
             layers = self._layer_keep(keep if keep is None else keep[..., :n_live])  # per target layer, live keys
             tree_mask = inputs[2:].bool() if len(tree) else None
@@ -250,10 +250,10 @@ class Engine:
         out = out[: max_new_tokens if first_stop is None else min(first_stop + 1, max_new_tokens)]
         return Generation(out, stats.metrics(n, len(out), prefill_s, clock.total()))
 
-    def _kept_keys(self, n_keys: int) -> torch.Tensor:
+    def _kept_keys(self, prefix: int, n_keys: int) -> torch.Tensor:
         """Per draft layer, the keys [Ld, Hkv, 1, n_keys] this verify reads (SpecAttn): keys at or beyond the
-        committed prefix (this verify's own) are all kept."""
-        sparse, prefix = self.cfg.sparse, int(self.cache.lengths[0])
+        committed `prefix` (this verify's own) are all kept."""
+        sparse = self.cfg.sparse
         attention = self.drafter.draft_attention()
         if attention is None or attention.shape[-1] != prefix:
             got = None if attention is None else tuple(attention.shape)

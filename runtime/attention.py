@@ -163,8 +163,9 @@ class TritonSparseBackend(AttentionBackend):
 register_backend(SdpaBackend())
 register_backend(TritonSparseBackend())
 # flashinfer (issue #8, GPU only) registers when the package is installed (found without importing it), with
-# runs_on = CUDA: decode, and tree verification through its custom-mask prefill (kernels/flashinfer_attention.py).
-# SpecAttn keep masks, fp32 and batch > 1 go to sdpa from inside it.
+# runs_on = CUDA (kernels/flashinfer_attention.py): decode and tree verification over the paged cache in place, and
+# SpecAttn sparse verification through its variable block-sparse wrapper. fp32, batch > 1 and graph capture go to
+# sdpa from inside it.
 if importlib.util.find_spec("flashinfer") is not None:
     from kernels.flashinfer_attention import FlashInferBackend
 

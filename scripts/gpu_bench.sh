@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
-# FLASHINFER_WHEELS=dir of wheels (flashinfer-python + apache-tvm-ffi) to try the flashinfer backend;
+# FLASHINFER_WHEELS=dir of wheels (flashinfer-python, apache-tvm-ffi, einops) to try the flashinfer backend (QUICK too);
 # with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
 # BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's),
 # or BUDGET=device: with the bundle's device candidate that runs fastest on this GPU, as serving chooses it;
@@ -30,6 +30,16 @@ python3 -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 -
 # the graph rows across key spans (up to 384 keys: spans of 256 and 512), in fp32, where their tokens equal our AR's
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 320 --n-prompts 2 \
   --out "$OUT/smollm2_fp32_spans.json"
+if [ -n "$FLASHINFER_WHEELS" ]; then  # each path against sdpa, then the eager rows through flashinfer end to end
+  echo "== flashinfer"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fi \
+      "$FLASHINFER_WHEELS"/*.whl \
+    && PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} python3 -m kernels.flashinfer_attention \
+    && DRAFTSMITH_ATTENTION_BACKEND=flashinfer PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} \
+      python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 \
+      --out "$OUT/smollm2_bf16_flashinfer.json"
+  echo "flashinfer exit $?"
+fi
 [ -n "$QUICK" ] && exit 0
 python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
 python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \
@@ -47,11 +57,5 @@ if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
       --device cuda --dtype bfloat16 ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 \
       --specattn-top-p "$SPECATTN_TOP_P" --out "$OUT/real_bf16_specattn_$backend.json"
   done
-fi
-if [ -n "$FLASHINFER_WHEELS" ]; then
-  echo "== flashinfer"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fi "$FLASHINFER_WHEELS"/*.whl \
-    && PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} python3 -m kernels.flashinfer_attention
-  echo "flashinfer exit $?"
 fi
 } 2>&1 | tee "$OUT/all.log"

@@ -12,7 +12,7 @@ work, done once per forward: every layer of a forward gets the same mask, and th
 the same keep (runtime.attention.AttentionBackend), so a plan is kept for the next call with the same objects.
 
 Falls back to torch SDPA (the reference) where flashinfer has no kernel or cannot plan: fp32, batch > 1, and inside a
-CUDA graph capture or torch.compile, where a replay would not repeat the host-side plan. Registered by
+CUDA graph capture or torch.compile, where a replay would not repeat the host-side plan (`_plannable`). Registered by
 runtime/attention.py only when the `flashinfer` package is installed (the optional extra `gpu`); flashinfer itself is
 imported on first use. The layouts are tested on the CPU against torch references (`paged_attention_torch`); the
 kernels only run on a GPU: `python -m kernels.flashinfer_attention` compares each path with SDPA there and times both.
@@ -84,8 +84,11 @@ class _Planned:
         return not same
 
 
-def _capturing() -> bool:
-    return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+def _plannable(q: Tensor, keys: Tensor) -> bool:
+    """Whether flashinfer can take this call: one sequence of half-precision CUDA tensors, outside a graph capture
+    or a compile (a replay would not repeat the host-side plan)."""
+    return (q.shape[0] == 1 and q.device.type == "cuda" and q.dtype in HALF and keys.dtype in HALF
+            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
 
 class FlashInferBackend:
@@ -126,7 +129,7 @@ class FlashInferBackend:
 
     def __call__(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor | None) -> Tensor:
         B, H, T, D = q.shape
-        if B != 1 or q.dtype not in HALF or keys.dtype not in HALF or _capturing():
+        if not _plannable(q, keys):
             from runtime.attention import BACKENDS
 
             return BACKENDS["sdpa"](q, keys, values, mask, keep)

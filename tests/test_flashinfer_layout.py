@@ -72,10 +72,13 @@ def test_block_map_is_each_kv_heads_own_mask_and_keep(per_query):
     assert torch.equal(sparse_blocks(None, keep, T), keep[0].expand(-1, T, -1))
 
 
-def test_full_precision_goes_to_sdpa_without_flashinfer():
-    """fp32 has no flashinfer kernel: the backend answers through sdpa and never imports flashinfer."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calls_flashinfer_cannot_take_go_to_sdpa(dtype):
+    """fp32 has no flashinfer kernel, and a CPU tensor none at all: the backend answers through sdpa and never
+    imports flashinfer."""
     _, keys, values = cache_slice(30, 40)
-    q = torch.randn(1, 2 * HKV, 3, D)
+    keys, values = keys.to(dtype), values.to(dtype)
+    q = torch.randn(1, 2 * HKV, 3, D, dtype=dtype)
     mask = _random_tree_mask(3, 30, "cpu")
     backend = FlashInferBackend()
     torch.testing.assert_close(backend(q, keys, values, mask, None), BACKENDS["sdpa"](q, keys, values, mask, None))

@@ -151,9 +151,9 @@ class FlashInferBackend:
                 custom = None if mask is None else mask[0, 0].reshape(-1)
                 planned.wrapper.plan(torch.tensor([0, T], dtype=torch.int32), indptr, indices, last_page_len, H,
                                      Hkv, D, page, custom_mask=custom, causal=mask is None, **types)
-        if kind == "decode":
-            return planned.wrapper.run(q[0, :, 0], (key_pages, value_pages)).view(1, H, 1, D)
-        out = planned.wrapper.run(q[0].transpose(0, 1), (key_pages, value_pages))  # [T, H, D]
+        if kind == "decode":  # a batch of one request: [1, H, D]
+            return planned.wrapper.run(q[:, :, 0], (key_pages, value_pages)).view(1, H, 1, D)
+        out = planned.wrapper.run(q[0].transpose(0, 1).contiguous(), (key_pages, value_pages))  # [T, H, D]
         return out.transpose(0, 1).unsqueeze(0)
 
     def _sparse(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor) -> Tensor:

@@ -11,11 +11,12 @@ strides), so no key is copied; the sparse wrapper takes the keys whole and copie
 work, done once per forward: every layer of a forward gets the same mask, and the layers mapped to one draft layer
 the same keep (runtime.attention.AttentionBackend), so a plan is kept for the next call with the same objects.
 
-Falls back to torch SDPA (the reference) where flashinfer has no kernel or cannot plan: fp32, batch > 1, and inside a
-CUDA graph capture or torch.compile, where a replay would not repeat the host-side plan (`_plannable`). Registered by
+Falls back to torch SDPA (the reference) where flashinfer has no kernel or cannot plan (`_plannable`): fp32, batch > 1,
+and inside a CUDA graph capture or torch.compile, where a replay would not repeat the host-side plan. Registered by
 runtime/attention.py only when the `flashinfer` package is installed (the optional extra `gpu`); flashinfer itself is
-imported on first use. The layouts are tested on the CPU against torch references (`paged_attention_torch`); the
-kernels only run on a GPU: `python -m kernels.flashinfer_attention` compares each path with SDPA there and times both.
+imported on first use. Its kernels only run on a GPU: `python -m kernels.flashinfer_attention` compares each path
+with SDPA there and times both. On the CPU the tests run this backend through a torch stand-in of the three
+wrappers (tests/torch_flashinfer.py) and the layouts against torch references (`paged_attention_torch`).
 """
 from __future__ import annotations
 
@@ -84,26 +85,19 @@ class _Planned:
         return not same
 
 
-def _plannable(q: Tensor, keys: Tensor) -> bool:
-    """Whether flashinfer can take this call: one sequence of half-precision CUDA tensors, outside a graph capture
-    or a compile (a replay would not repeat the host-side plan)."""
-    return (q.shape[0] == 1 and q.device.type == "cuda" and q.dtype in HALF and keys.dtype in HALF
-            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
-
-
 class FlashInferBackend:
     """A runtime.attention.AttentionBackend (duck-typed here so kernels/ does not import runtime/)."""
 
     name = "flashinfer"
+    device_type = "cuda"  # where flashinfer's kernels run; the tests give a torch stand-in of the module on the CPU
 
-    def __init__(self):
-        self._fi = None
+    def __init__(self, module=None):
+        self._fi = module  # flashinfer, imported on first use
         self._workspaces: dict[torch.device, Tensor] = {}
         self._planned: dict[tuple, _Planned] = {}
 
-    @staticmethod
-    def runs_on(device: torch.device) -> bool:
-        return device.type == "cuda"
+    def runs_on(self, device: torch.device) -> bool:
+        return device.type == self.device_type
 
     def _flashinfer(self):
         if self._fi is None:
@@ -111,6 +105,13 @@ class FlashInferBackend:
 
             self._fi = flashinfer
         return self._fi
+
+    def _plannable(self, q: Tensor, keys: Tensor) -> bool:
+        """Whether flashinfer can take this call: one sequence of half-precision tensors on its device, outside a
+        graph capture or a compile (a replay would not repeat the host-side plan)."""
+        return (q.shape[0] == 1 and q.device.type == self.device_type and q.dtype in HALF and keys.dtype in HALF
+                and not torch.compiler.is_compiling()
+                and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
     def _wrapper(self, kind: str, q: Tensor, keys: Tensor) -> _Planned:
         """The wrapper of `kind` for this shape: a drafter's forwards interleave with the target's, and each keeps
@@ -129,7 +130,7 @@ class FlashInferBackend:
 
     def __call__(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor | None) -> Tensor:
         B, H, T, D = q.shape
-        if not _plannable(q, keys):
+        if not self._plannable(q, keys):
             from runtime.attention import BACKENDS
 
             return BACKENDS["sdpa"](q, keys, values, mask, keep)

@@ -1,15 +1,21 @@
-"""The flashinfer backend's layouts, on the CPU: the KV cache read in place as flashinfer's HND pages, and SpecAttn's
-keep masks as the per-kv-head block map of its variable block-sparse wrapper. flashinfer's kernels only run on a GPU
-(`python -m kernels.flashinfer_attention` compares them with SDPA there); here the torch references read the same
-layouts and must equal the sdpa backend on the tensors the runtime passes."""
+"""The flashinfer backend on the CPU: the KV cache read in place as flashinfer's HND pages, SpecAttn's keep masks as
+the per-kv-head block map of its variable block-sparse wrapper, and the backend's calls of the three wrappers.
+flashinfer's kernels only run on a GPU (`python -m kernels.flashinfer_attention` compares them with SDPA there); here
+torch references read the same layouts, and a torch stand-in of the wrappers (torch_flashinfer.py) takes the
+backend's calls. Both must equal the sdpa backend on the tensors the runtime passes."""
 import pytest
 import torch
 
 from kernels.flashinfer_attention import (PAGE, FlashInferBackend, _random_tree_mask, paged_attention_torch,
                                           paged_view, sparse_blocks, unpage)
 from kernels.sparse_attention import sparse_attention_torch
-from runtime.attention import BACKENDS
+from runtime.attention import BACKEND_ENV, BACKENDS
+from runtime.drafter import DraftBudget
+from runtime.engine import Engine, EngineConfig
+from runtime.gpu_bench import ReplayDrafter
 from runtime.kv_cache import KVCache
+from runtime.model import Transformer
+from torch_flashinfer import TorchFlashInfer
 
 HKV, D = 2, 8
 
@@ -83,3 +89,85 @@ def test_calls_flashinfer_cannot_take_go_to_sdpa(dtype):
     backend = FlashInferBackend()
     torch.testing.assert_close(backend(q, keys, values, mask, None), BACKENDS["sdpa"](q, keys, values, mask, None))
     assert backend._fi is None
+
+
+def stand_in_backend() -> tuple[FlashInferBackend, TorchFlashInfer]:
+    module = TorchFlashInfer()
+    backend = FlashInferBackend(module)
+    backend.device_type = "cpu"  # the stand-in runs where the tests do
+    return backend, module
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("T, sparse, per_query", [(1, False, False), (5, False, False), (5, True, False),
+                                                  (5, True, True)], ids=["decode", "tree", "sparse", "sparse-rows"])
+def test_backend_calls_equal_sdpa(T, sparse, per_query):
+    """What the backend hands each wrapper (pages of the cache, the flattened mask, the block map, the queries'
+    layout) gives the sdpa backend's result: bf16 computed the same way rounds the same."""
+    torch.manual_seed(2)
+    S = 37
+    cache, keys, values = cache_slice(S, 50)
+    keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    q = bf16(1, 3 * HKV, T, D)
+    mask = None if T == 1 else _random_tree_mask(T, S, "cpu")
+    keep = None
+    if sparse:
+        keep = torch.rand(1, HKV, T if per_query else 1, S) < 0.5
+        keep[..., S - T:] = True
+    backend, module = stand_in_backend()
+    with torch.inference_mode():  # as the engine runs: sdpa then computes bf16 in fp64 (exact_dtype)
+        got, want = backend(q, keys, values, mask, keep), BACKENDS["sdpa"](q, keys, values, mask, keep)
+    assert got.dtype == torch.bfloat16 and module.plans() == 1
+    assert torch.equal(got, want)
+    kind = "VariableBlockSparse" if sparse else "BatchDecode" if T == 1 else "BatchPrefill"
+    assert [type(w).__name__.split("Attention")[0].split("WithPaged")[0] for w in module.made] == [kind]
+
+
+def test_a_plan_serves_every_layer_of_a_forward():
+    """Layers share their forward's mask (and keep): one plan each; a new mask, a longer decode or a new keep
+    plans again; a drafter's differently shaped forwards keep their own wrappers and plans."""
+    torch.manual_seed(3)
+    backend, module = stand_in_backend()
+    _, keys, values = cache_slice(30, 64)
+    keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    q, q_draft = bf16(1, 2 * HKV, 4, D), bf16(1, HKV, 4, D)  # the drafter: another head count
+    mask = _random_tree_mask(4, 30, "cpu")
+    for _ in range(3):  # three target layers, a drafter layer between them
+        backend(q, keys, values, mask, None)
+        backend(q_draft, keys, values, mask, None)
+    assert module.plans() == 2 and len(module.made) == 2
+    backend(q, keys, values, _random_tree_mask(4, 30, "cpu"), None)  # the next forward
+    assert module.plans() == 3
+    for S in (20, 20, 21):  # decode: the plan depends on the key count only
+        backend(q[:, :, :1], keys[:, :, :S], values[:, :, :S], None, None)
+    assert module.plans() == 5
+    keep = torch.ones(1, HKV, 1, 30, dtype=torch.bool)
+    for k in (keep, keep, keep.clone()):  # the layers mapped to one draft layer share its keep object
+        backend(q, keys, values, mask, k)
+    assert module.plans() == 7
+
+
+def test_engine_through_the_flashinfer_calls_is_the_sdpa_engine(tiny_model_dir, monkeypatch):
+    """Greedy decoding and speculation in bf16, every attention call through the backend's flashinfer calls (the
+    stand-in's kernels): the tokens equal the sdpa engine's, and each target forward plans once, not per layer."""
+    target = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=3), dtype=torch.bfloat16,
+                                         max_seq_len=128)
+    prompt, n_new = [5, 17, 33, 5, 17, 42, 8, 5, 17], 24
+    cfg = EngineConfig(max_seq_len=64, budget=DraftBudget(depth=4))
+    ar = Engine(target, None, cfg).generate(prompt, n_new).tokens
+    replay = lambda: ReplayDrafter(target.config.vocab_size, {tuple(prompt): prompt + ar}, 0.7, seed=1)  # noqa: E731
+    spec = Engine(target, replay(), cfg).generate(prompt, n_new)
+    assert spec.tokens == ar and spec.metrics.target_forwards < n_new - 1
+
+    backend, module = stand_in_backend()
+    monkeypatch.setitem(BACKENDS, backend.name, backend)
+    monkeypatch.setenv(BACKEND_ENV, backend.name)
+    assert Engine(target, None, cfg).generate(prompt, n_new).tokens == ar
+    assert module.plans() == n_new  # the prefill and n_new - 1 decodes, each one plan for all 3 layers
+    planned = module.plans()
+    through = Engine(target, replay(), cfg).generate(prompt, n_new)
+    assert through.tokens == ar and through.metrics.tau == spec.metrics.tau
+    assert module.plans() - planned == 1 + through.metrics.target_forwards

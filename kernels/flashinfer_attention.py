@@ -16,7 +16,7 @@ and inside a CUDA graph capture or torch.compile, where a replay would not repea
 runtime/attention.py only when the `flashinfer` package is installed (the optional extra `gpu`); flashinfer itself is
 imported on first use. Its kernels only run on a GPU: `python -m kernels.flashinfer_attention` compares each path
 with SDPA there and times both. On the CPU the tests run this backend through a torch stand-in of the three
-wrappers (tests/torch_flashinfer.py) and the layouts against torch references (`paged_attention_torch`).
+wrappers (tests/torch_flashinfer.py).
 """
 from __future__ import annotations
 
@@ -57,16 +57,6 @@ def sparse_blocks(mask: Tensor | None, keep: Tensor, T: int) -> Tensor:
     VariableBlockSparseAttentionWrapper takes: what each kv head's queries read."""
     allowed = keep[0].expand(-1, T, -1)
     return allowed if mask is None else allowed & mask[0]
-
-
-def paged_attention_torch(q: Tensor, key_pages: Tensor, value_pages: Tensor, last_page_len: int,
-                          mask: Tensor | None) -> Tensor:
-    """The reference for the paged calls: q [1, H, T, D] over the keys the pages hold (grouped-query), mask
-    [1, 1, T, S] or None -> [1, H, T, D]."""
-    keys, values = unpage(key_pages, last_page_len), unpage(value_pages, last_page_len)
-    G = q.shape[1] // keys.shape[0]
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, keys.repeat_interleave(G, 0)[None], values.repeat_interleave(G, 0)[None], attn_mask=mask)
 
 
 @dataclass

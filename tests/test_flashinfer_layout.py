@@ -1,13 +1,12 @@
 """The flashinfer backend on the CPU: the KV cache read in place as flashinfer's HND pages, SpecAttn's keep masks as
 the per-kv-head block map of its variable block-sparse wrapper, and the backend's calls of the three wrappers.
 flashinfer's kernels only run on a GPU (`python -m kernels.flashinfer_attention` compares them with SDPA there); here
-torch references read the same layouts, and a torch stand-in of the wrappers (torch_flashinfer.py) takes the
-backend's calls. Both must equal the sdpa backend on the tensors the runtime passes."""
+a torch stand-in of the wrappers (torch_flashinfer.py) takes the backend's calls, and must give the sdpa backend's
+results on the tensors the runtime passes."""
 import pytest
 import torch
 
-from kernels.flashinfer_attention import (PAGE, FlashInferBackend, _random_tree_mask, paged_attention_torch,
-                                          paged_view, sparse_blocks, unpage)
+from kernels.flashinfer_attention import PAGE, FlashInferBackend, _random_tree_mask, paged_view, sparse_blocks, unpage
 from kernels.sparse_attention import sparse_attention_torch
 from runtime.attention import BACKEND_ENV, BACKENDS
 from runtime.drafter import DraftBudget
@@ -45,18 +44,6 @@ def test_other_layouts_are_copied_into_pages():
     key_pages, value_pages, page, last = paged_view(keys, values)
     assert torch.equal(unpage(key_pages, last), keys) and torch.equal(unpage(value_pages, last), values)
     assert page * (key_pages.shape[0] - 1) + last == 30
-
-
-@pytest.mark.parametrize("T", [1, 5])
-def test_paged_attention_equals_sdpa(T):
-    torch.manual_seed(0)
-    S = 45
-    _, keys, values = cache_slice(S, 60)
-    q = torch.randn(1, 3 * HKV, T, D)  # 3 query heads per kv head
-    mask = None if T == 1 else _random_tree_mask(T, S, "cpu")
-    key_pages, value_pages, _, last = paged_view(keys[0], values[0])
-    want = BACKENDS["sdpa"](q, keys, values, mask, None)
-    torch.testing.assert_close(paged_attention_torch(q, key_pages, value_pages, last, mask), want)
 
 
 @pytest.mark.parametrize("per_query", [False, True])

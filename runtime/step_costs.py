@@ -55,19 +55,31 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
     sync = synchronizer(dev)
     prompt = random_prompts(model.config.vocab_size, 1, seed=0, lengths=(context, context))[0]
 
+    capture_mb = {}  # CUDA: the device memory each kind of step reserved on first use (warm-up and capture)
+
+    def first_use(kind: str, timed: Callable[[], object]):
+        before = torch.cuda.memory_reserved(dev) if use_graph else 0
+        result = timed()
+        if use_graph:
+            capture_mb[kind] = (torch.cuda.memory_reserved(dev) - before) / 2**20
+        return result
+
     decoder = GraphedGreedyDecoder(model, max_len, use_graph=use_graph, compile=compiled)
     decoder.generate(prompt, 1)  # the prefill; each timed step then decodes one more token
-    decode_ms = ms_per_call(decoder.decode_step, sync, repeats)
+    decode_ms = first_use("decode", lambda: ms_per_call(decoder.decode_step, sync, repeats))
 
     cache = model.new_cache(1, max_len)
     model(torch.tensor([prompt], device=dev), cache, torch.arange(context, device=dev)[None])
     cache.advance(context)
     verifier = StaticVerifier(model, cache, buckets, use_graph=use_graph, compile=compiled)
     verify_ms = {}
-    for size in buckets:  # a causal block of `size` tokens: the same shapes and cost as a tree of that size
-        tokens = torch.randint(model.config.vocab_size, (1, size), device=dev)
-        positions = context + torch.arange(size, device=dev)[None]
-        verify_ms[size] = ms_per_call(lambda: verifier(tokens, positions, None), sync, repeats)
+
+    def time_buckets():
+        for size in buckets:  # a causal block of `size` tokens: the same shapes and cost as a tree of that size
+            tokens = torch.randint(model.config.vocab_size, (1, size), device=dev)
+            positions = context + torch.arange(size, device=dev)[None]
+            verify_ms[size] = ms_per_call(lambda: verifier(tokens, positions, None), sync, repeats)
+    first_use("verify", time_buckets)
 
     eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(dev).eval()
     draft_cache = eagle.new_cache(1, max_len)
@@ -76,15 +88,18 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
     pending = torch.randint(model.config.vocab_size, (PENDING,), device=dev)
     features = torch.randn(PENDING, model.config.dim, dtype=dtype, device=dev)
     draft_ms = {}
-    for spec in budgets:
-        budget = budget_fields(spec)["budget"]
-        if not tree.fits(PENDING, budget, context):
-            raise ValueError(f"budget {spec}: its tree does not fit a cache of {max_len} after {context} tokens")
-        draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget, context), sync, repeats)
+
+    def time_budgets():
+        for spec in budgets:
+            budget = budget_fields(spec)["budget"]
+            if not tree.fits(PENDING, budget, context):
+                raise ValueError(f"budget {spec}: its tree does not fit a cache of {max_len} after {context} tokens")
+            draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget, context), sync, repeats)
+    first_use("draft", time_budgets)
     return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
             "torch": torch.__version__, "graphs": use_graph, "compiled": compiled, "context": context,
             "cache_len": max_len, "pending_pairs": PENDING, "decode_ms": decode_ms, "verify_ms": verify_ms,
-            "draft_ms": draft_ms}
+            "draft_ms": draft_ms} | ({"capture_mb": capture_mb} if use_graph else {})
 
 
 def print_costs(costs: dict) -> None:
@@ -96,6 +111,10 @@ def print_costs(costs: dict) -> None:
         print(f"  verify {size:>3} tokens {ms:.3f} ms ({ms / costs['decode_ms']:.2f}x a decode token)")
     for spec, ms in costs["draft_ms"].items():
         print(f"  draft {spec:<7} {ms:.3f} ms")
+    if "capture_mb" in costs:  # each key span captures these again
+        mb = costs["capture_mb"]
+        print(f"  device memory reserved on first use: decode {mb['decode']:.1f} MB, verify {mb['verify']:.1f} MB "
+              f"({len(costs['verify_ms'])} buckets), draft {mb['draft']:.1f} MB ({len(costs['draft_ms'])} budgets)")
 
 
 def main(argv: list[str] | None = None) -> int:

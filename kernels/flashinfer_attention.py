@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 PAGE = 16  # tokens per page: pages let flashinfer split a long context between thread blocks
-WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace: one per thread and device, shared by its wrappers
+WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one per thread and device
 HALF = (torch.float16, torch.bfloat16)
 
 

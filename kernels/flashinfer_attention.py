@@ -20,14 +20,13 @@ wrappers (tests/torch_flashinfer.py).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 PAGE = 16  # tokens per page: pages let flashinfer split a long context between thread blocks
-WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one per thread and device
+WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -84,9 +83,10 @@ class FlashInferBackend:
 
     def __init__(self, module=None):
         self._fi = module  # flashinfer, imported on first use
-        # per thread: engines serving different models may run at once, and a plan or a workspace in use by one
-        # forward must not change under it
-        self._local = threading.local()
+        # one workspace per device and one wrapper per kind and shape, shared by every engine of the process: a
+        # plan holds from one call to the next, so forwards must run one at a time (serving's lock sees to it)
+        self._workspaces: dict[torch.device, Tensor] = {}
+        self._planned: dict[tuple, _Planned] = {}
 
     def runs_on(self, device: torch.device) -> bool:
         return device.type == self.device_type
@@ -109,19 +109,16 @@ class FlashInferBackend:
         """The wrapper of `kind` for this shape: a drafter's forwards interleave with the target's, and each keeps
         its own plan."""
         slot = (kind, q.shape[1], keys.shape[1], q.shape[3], q.dtype, q.device)
-        local = self._local
-        if not hasattr(local, "planned"):
-            local.planned, local.workspaces = {}, {}
-        if slot not in local.planned:
+        if slot not in self._planned:
             fi = self._flashinfer()
-            if q.device not in local.workspaces:
-                local.workspaces[q.device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
-            workspace = local.workspaces[q.device]
+            if q.device not in self._workspaces:
+                self._workspaces[q.device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+            workspace = self._workspaces[q.device]
             wrapper = {"decode": lambda: fi.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND"),
                        "prefill": lambda: fi.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND"),
                        "sparse": lambda: fi.VariableBlockSparseAttentionWrapper(workspace)}[kind]()
-            local.planned[slot] = _Planned(wrapper)
-        return local.planned[slot]
+            self._planned[slot] = _Planned(wrapper)
+        return self._planned[slot]
 
     def __call__(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor | None) -> Tensor:
         B, H, T, D = q.shape

@@ -3,8 +3,6 @@ the per-kv-head block map of its variable block-sparse wrapper, and the backend'
 flashinfer's kernels only run on a GPU (`python -m kernels.flashinfer_attention` compares them with SDPA there); here
 a torch stand-in of the wrappers (torch_flashinfer.py) takes the backend's calls, and must give the sdpa backend's
 results on the tensors the runtime passes."""
-import threading
-
 import pytest
 import torch
 
@@ -161,15 +159,3 @@ def test_engine_through_the_flashinfer_calls_is_the_sdpa_engine(tiny_model_dir, 
     assert through.tokens == ar and through.metrics.tau == spec.metrics.tau
     assert module.plans() - planned == 1 + through.metrics.target_forwards
 
-
-def test_each_thread_plans_its_own_wrappers():
-    """Engines serving two models may run at once: a plan in use by one thread's forward is not another's."""
-    backend, module = stand_in_backend()
-    _, keys, values = cache_slice(30, 64)
-    keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
-    q, mask = bf16(1, 2 * HKV, 4, D), _random_tree_mask(4, 30, "cpu")
-    backend(q, keys, values, mask, None)
-    other = threading.Thread(target=backend, args=(q, keys, values, mask, None))
-    other.start(), other.join()
-    backend(q, keys, values, mask, None)
-    assert len(module.made) == 2 and [w.plans for w in module.made] == [1, 1]

@@ -12,6 +12,7 @@ On the CPU, where nothing is captured, this times the same steps run eagerly.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -42,6 +43,15 @@ def ms_per_call(call: Callable[[], object], sync: Callable[[], None], repeats: i
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+@contextmanager
+def reserved_mb(device: torch.device, into: dict, kind: str):
+    """On CUDA, into[kind] = the device memory (MB) the block reserved; on the CPU nothing."""
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    yield
+    if device.type == "cuda":
+        into[kind] = (torch.cuda.memory_reserved(device) - before) / 2**20
+
+
 @torch.inference_mode()
 def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", compiled: bool = False,
                context: int = 256, budgets: tuple[str, ...] = BUDGETS, buckets: tuple[int, ...] = BUCKETS,
@@ -57,29 +67,21 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
 
     capture_mb = {}  # CUDA: the device memory each kind of step reserved on first use (warm-up and capture)
 
-    def first_use(kind: str, timed: Callable[[], object]):
-        before = torch.cuda.memory_reserved(dev) if use_graph else 0
-        result = timed()
-        if use_graph:
-            capture_mb[kind] = (torch.cuda.memory_reserved(dev) - before) / 2**20
-        return result
-
     decoder = GraphedGreedyDecoder(model, max_len, use_graph=use_graph, compile=compiled)
     decoder.generate(prompt, 1)  # the prefill; each timed step then decodes one more token
-    decode_ms = first_use("decode", lambda: ms_per_call(decoder.decode_step, sync, repeats))
+    with reserved_mb(dev, capture_mb, "decode"):
+        decode_ms = ms_per_call(decoder.decode_step, sync, repeats)
 
     cache = model.new_cache(1, max_len)
     model(torch.tensor([prompt], device=dev), cache, torch.arange(context, device=dev)[None])
     cache.advance(context)
     verifier = StaticVerifier(model, cache, buckets, use_graph=use_graph, compile=compiled)
     verify_ms = {}
-
-    def time_buckets():
+    with reserved_mb(dev, capture_mb, "verify"):
         for size in buckets:  # a causal block of `size` tokens: the same shapes and cost as a tree of that size
             tokens = torch.randint(model.config.vocab_size, (1, size), device=dev)
             positions = context + torch.arange(size, device=dev)[None]
             verify_ms[size] = ms_per_call(lambda: verifier(tokens, positions, None), sync, repeats)
-    first_use("verify", time_buckets)
 
     eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(dev).eval()
     draft_cache = eagle.new_cache(1, max_len)
@@ -88,14 +90,12 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
     pending = torch.randint(model.config.vocab_size, (PENDING,), device=dev)
     features = torch.randn(PENDING, model.config.dim, dtype=dtype, device=dev)
     draft_ms = {}
-
-    def time_budgets():
+    with reserved_mb(dev, capture_mb, "draft"):
         for spec in budgets:
             budget = budget_fields(spec)["budget"]
             if not tree.fits(PENDING, budget, context):
                 raise ValueError(f"budget {spec}: its tree does not fit a cache of {max_len} after {context} tokens")
             draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget, context), sync, repeats)
-    first_use("draft", time_budgets)
     return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
             "torch": torch.__version__, "graphs": use_graph, "compiled": compiled, "context": context,
             "cache_len": max_len, "pending_pairs": PENDING, "decode_ms": decode_ms, "verify_ms": verify_ms,

@@ -46,12 +46,6 @@ def paged_view(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, int, int]:
     return keys.as_strided(size, pages_stride), values.as_strided(size, pages_stride), page, S - (n - 1) * page
 
 
-def unpage(pages: Tensor, last_page_len: int) -> Tensor:
-    """The inverse of paged_view for one of its page tensors: [n, Hkv, P, D] -> [Hkv, S, D]."""
-    n, Hkv, P, D = pages.shape
-    return pages.permute(1, 0, 2, 3).reshape(Hkv, n * P, D)[:, :(n - 1) * P + last_page_len]
-
-
 def sparse_blocks(mask: Tensor | None, keep: Tensor, T: int) -> Tensor:
     """keep [1, Hkv, 1|T, S] narrowed by mask [1, 1, T, S] (None: every key) -> the 1x1 block map [Hkv, T, S] that
     VariableBlockSparseAttentionWrapper takes: what each kv head's queries read."""

@@ -6,7 +6,7 @@ results on the tensors the runtime passes."""
 import pytest
 import torch
 
-from kernels.flashinfer_attention import PAGE, FlashInferBackend, _random_tree_mask, paged_view, sparse_blocks, unpage
+from kernels.flashinfer_attention import PAGE, FlashInferBackend, _random_tree_mask, paged_view, sparse_blocks
 from kernels.sparse_attention import sparse_attention_torch
 from runtime.attention import BACKEND_ENV, BACKENDS
 from runtime.drafter import DraftBudget
@@ -17,6 +17,12 @@ from runtime.model import Transformer
 from torch_flashinfer import TorchFlashInfer
 
 HKV, D = 2, 8
+
+
+def unpage(pages: torch.Tensor, last_page_len: int) -> torch.Tensor:
+    """The tokens HND pages [n, Hkv, P, D] hold, as [Hkv, S, D]: page p, slot s is token p*P + s."""
+    n, Hkv, P, D = pages.shape
+    return pages.permute(1, 0, 2, 3).reshape(Hkv, n * P, D)[:, :(n - 1) * P + last_page_len]
 
 
 def cache_slice(S: int, max_len: int, layer: int = 1) -> tuple[KVCache, torch.Tensor, torch.Tensor]:

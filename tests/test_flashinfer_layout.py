@@ -14,15 +14,9 @@ from runtime.engine import Engine, EngineConfig
 from runtime.gpu_bench import ReplayDrafter
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer
-from torch_flashinfer import TorchFlashInfer
+from torch_flashinfer import TorchFlashInfer, unpage
 
 HKV, D = 2, 8
-
-
-def unpage(pages: torch.Tensor, last_page_len: int) -> torch.Tensor:
-    """The tokens HND pages [n, Hkv, P, D] hold, as [Hkv, S, D]: page p, slot s is token p*P + s."""
-    n, Hkv, P, D = pages.shape
-    return pages.permute(1, 0, 2, 3).reshape(Hkv, n * P, D)[:, :(n - 1) * P + last_page_len]
 
 
 def cache_slice(S: int, max_len: int, layer: int = 1) -> tuple[KVCache, torch.Tensor, torch.Tensor]:

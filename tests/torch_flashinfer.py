@@ -20,6 +20,12 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor | None) -> 
     return out.to(q.dtype)
 
 
+def unpage(pages: Tensor, last_page_len: int) -> Tensor:
+    """The tokens HND pages [n, Hkv, P, D] hold, as [Hkv, S, D]: page p, slot s is token p*P + s."""
+    n, Hkv, P, D = pages.shape
+    return pages.permute(1, 0, 2, 3).reshape(Hkv, n * P, D)[:, :(n - 1) * P + last_page_len]
+
+
 class _Paged:
     """What the two paged wrappers share: the plan's page table, and reading a request's keys from HND pages."""
 
@@ -43,10 +49,7 @@ class _Paged:
         out = []
         for pages in paged_kv_cache:  # [max_pages, Hkv, page_size, D]
             assert pages.shape[1:] == (self.heads[1], self.page, self.heads[2]), "HND pages of the planned size"
-            own = pages[self.indices[self.indptr[b]:self.indptr[b + 1]]]  # [n, Hkv, P, D]
-            n = own.shape[0]
-            out.append(own.permute(1, 0, 2, 3).reshape(self.heads[1], n * self.page, -1)[
-                :, :(n - 1) * self.page + self.last[b]])
+            out.append(unpage(pages[self.indices[self.indptr[b]:self.indptr[b + 1]]], self.last[b]))
         return out[0], out[1]
 
 

@@ -159,15 +159,12 @@ def _random_tree_mask(T: int, S: int, device: str) -> Tensor:
     """A verify's mask [1, 1, T, S]: a random tree of T nodes (each one's parent an earlier node or the root) over a
     committed prefix of S - T keys."""
     from runtime.model import attention_mask
+    from runtime.tree import DraftTree
 
     parents = [-1] + [int(torch.randint(-1, i, (1,))) for i in range(T - 2)]
-    tree = torch.zeros(T, T, dtype=torch.bool)
-    tree[:, 0] = True
-    for i, p in enumerate(parents):
-        tree[i + 1] = tree[p + 1]
-        tree[i + 1, i + 1] = True
+    tree = DraftTree.from_lists([0] * (T - 1), parents, None, device).ancestor_mask()  # [T, T], the root first
     lengths = torch.tensor([S - T], device=device)
-    return attention_mask(lengths, (lengths + torch.arange(T, device=device))[None], S, tree.to(device))
+    return attention_mask(lengths, (lengths + torch.arange(T, device=device))[None], S, tree)
 
 
 def _check() -> int:

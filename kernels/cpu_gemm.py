@@ -22,7 +22,7 @@ and a speculative step on validate's 16 prompts (2x2/4 tree + lookup 8, our AR a
 prompt, twice): verify 67.3 -> 61.2 and 62.6 -> 58.1 ms, speculation over our AR 1.65x -> 1.75x and 1.64x -> 1.77x,
 identical tokens. A verify's cost grows by the 6-row tile: 7..12 rows cost about one more pass over L2-held panels
 than 1..6 (EngineConfig.max_tree). From ~64 rows on the library's blocked kernel computes faster
-(runtime.model.OWN_MAX_ROWS).
+(runtime.cpu_packing.OWN_MAX_ROWS).
 
 It is also batch-invariant: every output is the same chain of FMAs over k whatever the number of rows, so a verify
 row equals its one-row decode bit for bit (tests/test_cpu_gemm.py), which greedy losslessness needs.

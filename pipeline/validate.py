@@ -140,7 +140,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     methods: dict[str, Generate] = {name: ours(e) for name, e in engines.items()}
     methods["hf"] = lambda ids, params, gen: (hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen), None)
     if bundle.kind == "lm":  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
-        from runtime.model import hf_causal_lm
+        from runtime.hf_weights import hf_causal_lm
 
         assistant = hf_causal_lm(drafter.model)
         methods[ASSISTED] = lambda ids, params, gen: (

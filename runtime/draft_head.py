@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.model import Packable
+from runtime.cpu_packing import Packable
 
 
 class DraftHead(nn.Module, Packable):

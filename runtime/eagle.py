@@ -16,7 +16,8 @@ from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.kv_cache import KVCache
-from runtime.model import Block, Linear, ModelConfig, Transformer, attention_mask, pack_for_cpu, rope_tables
+from runtime.cpu_packing import Linear, pack_for_cpu
+from runtime.model import Block, ModelConfig, Transformer, attention_mask, rope_tables
 from runtime.sampling import SamplingParams
 from runtime.static_draft import StaticEagleTree
 from runtime.tree import DraftTree

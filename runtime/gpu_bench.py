@@ -2,7 +2,7 @@
 
 No checkpoint is needed, so it runs where no weights can be carried (the lent GPU machine has no network): our
 Transformer is built from a named config with random weights, the HF LlamaForCausalLM from the same config gets
-the same weights (runtime.model.hf_state_dict), and the same runtime.bench.measure times, on the same random
+the same weights (runtime.hf_weights.hf_state_dict), and the same runtime.bench.measure times, on the same random
 prompts:
   hf_generate     HF transformers `generate`, greedy (DynamicCache, sdpa attention)
   ours_ar         our Engine without a drafter (eager PyTorch)
@@ -25,7 +25,8 @@ import torch
 
 from runtime import cuda_graphs
 from runtime.drafter import DraftBudget, Drafter
-from runtime.model import ModelConfig, Transformer, hf_causal_lm, rope_tables
+from runtime.hf_weights import hf_causal_lm
+from runtime.model import ModelConfig, Transformer, rope_tables
 from runtime.tree import DraftTree
 
 RANDOM_CONFIGS: dict[str, dict] = {

@@ -18,7 +18,8 @@ from torch import Tensor
 from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
-from runtime.model import ModelConfig, RopeScaling, Taps, Transformer, pack_for_cpu
+from runtime.cpu_packing import pack_for_cpu
+from runtime.model import ModelConfig, RopeScaling, Taps, Transformer
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 

@@ -12,7 +12,7 @@ from torch import nn
 from runtime.draft_head import DraftHead
 from runtime.drafter import DraftBudget, Drafter
 from runtime.dynamic_tree import grow_tree, tree_probs
-from runtime.model import Linear, pack_for_cpu
+from runtime.cpu_packing import Linear, pack_for_cpu
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import cpu_gemm
 from runtime.attention import attention_weights, pick_backend
+from runtime.cpu_packing import Linear, pack_for_cpu
 from runtime.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
@@ -102,105 +101,6 @@ class ForwardOutput:
     hidden: Tensor  # [B, T, dim] after the final norm
     layer_hidden: dict[int, Tensor] = field(default_factory=dict)
     attention: dict[int, Tensor] = field(default_factory=dict)
-
-
-def packed_min_fp32_rows(cpu_vendor: str) -> int:
-    """From how many rows an fp32 product runs prepacked. Fewer run faster through MKL on Intel CPUs (see
-    Packable); elsewhere MKL takes a generic path: on an AVX2 AMD EPYC a SmolLM2 decode step took 76 ms through
-    MKL and 52 ms prepacked (2 rows: 116 against 65), so there every product is prepacked (unless own_fp32_kernel)."""
-    return 4 if cpu_vendor == "GenuineIntel" else 1
-
-
-def own_fp32_kernel(cpu_vendor: str) -> bool:
-    """Whether fp32 inference products run through our kernel (kernels/cpu_gemm) instead of oneDNN: on the AVX2 AMD
-    EPYC it takes a SmolLM2 forward's products from 34 to 22 ms at 1 row and from 53 to 31 ms at 7 (its docstring
-    has the table). Intel CPUs keep MKL and oneDNN, which were tuned there; ours is not measured on one."""
-    return cpu_vendor == "AuthenticAMD"
-
-
-PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_gemm.cpu_info("vendor_id"))
-OWN_FP32_KERNEL = own_fp32_kernel(cpu_gemm.cpu_info("vendor_id"))
-# Our kernel serves products of up to this many rows: every decode, verify and short prefill, so a verify of up to
-# 255 draft nodes equals decoding bit for bit. oneDNN takes longer prefills and batched feature passes: from ~64
-# rows on it is faster (at 1024 rows 2.0 against 2.6 s for a SmolLM2 forward's products on the AMD host).
-OWN_MAX_ROWS = 256
-# oneDNN's prepacked bf16 product gives every row exactly its one-row result up to 32 rows and switches to a kernel
-# that rounds differently beyond: a verify of more rows goes in 32-row slices, or greedy output would drift from AR
-PACKED_EXACT_ROWS = 32
-
-
-class Packable:
-    """A module whose matmul weight can carry a oneDNN-prepacked copy for CPU inference (`pack`).
-
-    MKL re-packs the weight on every call: a 2..16-row product (tree verify) then costs 1.5-3x a one-row one
-    (decode). Prepacked once, oneDNN runs both at about the cost of streaming the weight once. The plain
-    weight stays: training, export and embedding lookups read it, and non-CPU inputs fall back to it.
-
-    In fp32 on Intel CPUs, MKL's own kernel still wins for 1..3 rows (a SmolLM2 decode step on Sapphire Rapids: 42
-    ms against 48 prepacked; at 4 rows 68 against 55), so those take the plain path (PACKED_MIN_FP32_ROWS); in
-    bf16 the prepacked kernel wins from one row on (an unpacked bf16 product is slower than an fp32 one here).
-    Where OWN_FP32_KERNEL, fp32 products of up to OWN_MAX_ROWS rows run through kernels/cpu_gemm instead."""
-
-    weight: Tensor
-    packed: Tensor | None = None
-    panels: Tensor | None = None  # the weight packed for kernels/cpu_gemm, where its fp32 products of few rows run
-
-    def pack(self) -> None:
-        own = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)
-        self.panels = cpu_gemm.pack(self.weight) if own else None
-        # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-
-    def unpack(self) -> None:
-        self.packed = self.panels = None
-
-    @property
-    def own_fp32(self) -> bool:
-        return self.panels is not None
-
-    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        # neither fast path has a backward: they serve only forwards no gradient flows through
-        inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
-                                                    and (x.requires_grad or self.weight.requires_grad))
-        if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= OWN_MAX_ROWS * x.shape[-1]:
-            return cpu_gemm.small_linear(x, self.panels, self.weight.shape[0], bias)
-        if self.packed is not None and inference and x.dtype == self.packed.dtype \
-                and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
-            if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:
-                rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)
-                return torch.cat([self._packed(r, bias) for r in rows]).view(*x.shape[:-1], -1)
-            return self._packed(x, bias)
-        return F.linear(x, self.weight, bias)
-
-    def _packed(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-
-
-class Linear(nn.Linear, Packable):
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear(x, self.bias)
-
-
-@lru_cache(maxsize=None)
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can prepack `dtype` weights on this CPU: its bf16 path needs AVX-512 (bw, vl, dq) or
-    AVX-NE-CONVERT, so e.g. an AVX2-only CPU keeps the plain kernel (probed once, as torch decides it)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
-    except RuntimeError:
-        return False
-    return True
-
-
-def pack_for_cpu(model: nn.Module) -> nn.Module:
-    """Prepack every Packable's weight for oneDNN; a no-op off CPU or where oneDNN cannot pack its dtype. Call it
-    after the last .to() and the last weight update: packed copies neither move nor follow the weights."""
-    for module in model.modules():
-        if isinstance(module, Packable) and module.weight.device.type == "cpu" and onednn_packs(module.weight.dtype):
-            module.pack()
-    return model
 
 
 class NoCache:
@@ -415,123 +315,10 @@ class Transformer(nn.Module):
         max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
         with torch.device("meta"):
             model = Transformer(cfg, max_seq_len)
+        from runtime.hf_weights import load_hf_state_dict
+
         model.load_state_dict(load_hf_state_dict(path, cfg), assign=True)
         if cfg.tie_embeddings:  # assign=True made two parameters; re-tie so the table exists (and casts) once
             model.output.weight = model.tok_embeddings.weight
         model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)  # computed in fp32, cast with the weights
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False).pack_for_cpu()
-
-
-def load_hf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, Tensor]:
-    """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout."""
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors weights")
-    hf: dict[str, Tensor] = {}
-    for f in files:
-        hf.update(load_file(str(f)))
-    hf = {k.removeprefix("model."): v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
-
-    def take(name: str) -> Tensor:
-        if name not in hf:
-            raise ValueError(f"{path}: weight {name!r} is missing for a {cfg.arch} model")
-        return hf.pop(name)
-
-    def linear(*names: str) -> Tensor:  # fused along the output dimension
-        return torch.cat([take(n) for n in names])
-
-    sd = {"tok_embeddings.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
-    if cfg.tie_embeddings:
-        hf.pop("lm_head.weight", None)  # some tied checkpoints store a copy
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    else:
-        sd["output.weight"] = take("lm_head.weight")
-    for i in range(cfg.n_layers):
-        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
-        sd[p + "attention_norm.weight"] = take(p + "input_layernorm.weight")
-        sd[p + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        sd[p + "attention.wqkv.weight"] = linear(*(a + f"{n}_proj.weight" for n in "qkv"))
-        if cfg.qkv_bias:
-            sd[p + "attention.wqkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
-        sd[p + "attention.wo.weight"] = linear(a + "o_proj.weight")
-        if cfg.o_bias:
-            sd[p + "attention.wo.bias"] = take(a + "o_proj.bias")
-        if cfg.qk_norm:
-            sd[p + "attention.q_norm.weight"] = take(a + "q_norm.weight")
-            sd[p + "attention.k_norm.weight"] = take(a + "k_norm.weight")
-        m = p + "mlp."
-        sd[p + "feed_forward.w13.weight"] = linear(m + "gate_proj.weight", m + "up_proj.weight")
-        sd[p + "feed_forward.w2.weight"] = linear(m + "down_proj.weight")
-        if cfg.mlp_bias:
-            sd[p + "feed_forward.w13.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
-            sd[p + "feed_forward.w2.bias"] = take(m + "down_proj.bias")
-    if hf:
-        raise ValueError(f"{path}: unexpected weights for a {cfg.arch} model: {sorted(hf)[:5]}")
-    return sd
-
-
-def hf_config(cfg: ModelConfig) -> dict:
-    """config.json fields for HF transformers: the inverse of ModelConfig.from_hf."""
-    s = cfg.rope_scaling
-    rope = {"rope_type": s.kind, "rope_theta": cfg.rope_theta}
-    if s.kind != "default":
-        rope["factor"] = s.factor
-    if s.kind == "llama3":
-        rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                    original_max_position_embeddings=s.original_max_position)
-    hf = {"model_type": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
-          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-          "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.norm_eps,
-          "hidden_act": "silu", "rope_parameters": rope, "max_position_embeddings": cfg.max_position_embeddings,
-          "tie_word_embeddings": cfg.tie_embeddings, "mlp_bias": cfg.mlp_bias}
-    if cfg.arch != "qwen2":  # qwen2's q/k/v biases are implied by the architecture
-        hf["attention_bias"] = cfg.o_bias
-    if cfg.arch == "mistral":
-        hf["sliding_window"] = cfg.sliding_window
-    return hf
-
-
-def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
-    """The inverse of load_hf_state_dict: this module's weights under HF names, q/k/v and gate/up split again.
-    A tied lm_head is left out, as HF checkpoints store it once (as the embedding)."""
-    cfg, sd = model.config, model.state_dict()
-    q_kv = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
-    hf = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not cfg.tie_embeddings:
-        hf["lm_head.weight"] = sd["output.weight"]
-    for i in range(cfg.n_layers):
-        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        hf[f"model.layers.{i}.input_layernorm.weight"] = sd[p + "attention_norm.weight"]
-        hf[f"model.layers.{i}.post_attention_layernorm.weight"] = sd[p + "ffn_norm.weight"]
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            for name, t in zip("qkv", sd[p + f"attention.wqkv.{kind}"].split(q_kv)):
-                hf[a + f"{name}_proj.{kind}"] = t
-        hf[a + "o_proj.weight"] = sd[p + "attention.wo.weight"]
-        if cfg.o_bias:
-            hf[a + "o_proj.bias"] = sd[p + "attention.wo.bias"]
-        if cfg.qk_norm:
-            hf[a + "q_norm.weight"] = sd[p + "attention.q_norm.weight"]
-            hf[a + "k_norm.weight"] = sd[p + "attention.k_norm.weight"]
-        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-            gate, up = sd[p + f"feed_forward.w13.{kind}"].chunk(2)
-            hf[m + f"gate_proj.{kind}"], hf[m + f"up_proj.{kind}"] = gate, up
-            hf[m + f"down_proj.{kind}"] = sd[p + f"feed_forward.w2.{kind}"]
-    return {k: v.contiguous() for k, v in hf.items()}
-
-
-def hf_causal_lm(model: Transformer, **config_overrides):
-    """An HF transformers causal LM with the weights of `model`, on its device and in its dtype (eval mode);
-    `config_overrides` go into the HF config (e.g. eos_token_id=None)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = hf_config(model.config)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields, **config_overrides)
-    with torch.device(model.device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
-    weights = hf_state_dict(model)
-    if model.config.tie_embeddings:  # HF's module lists the tied lm_head under its own name too
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    hf.load_state_dict(weights, strict=True)
-    return hf.eval().requires_grad_(False)

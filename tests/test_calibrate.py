@@ -66,7 +66,7 @@ def distilled(target_dir, tmp_path_factory):
 def make_hard_to_quantise(tensors: dict, factor: float) -> None:
     """Same function, harder to quantise: FFN up-channel k is scaled by `factor` on the side where it lies along
     dim 1 of the stored matrix (inside a quantisation row/group) and divided on the other side. Which side that
-    is depends on whether runtime.model.Linear stores [out, in] (`weight`) or [in, out] (`weight_t`)."""
+    is depends on whether runtime.cpu_packing.Linear stores [out, in] (`weight`) or [in, out] (`weight_t`)."""
     w13, w2 = (next(v for k, v in tensors.items() if k.startswith(f"block.feed_forward.{n}.")) for n in ("w13", "w2"))
     transposed = any(k.endswith("w2.weight_t") for k in tensors)
     for k in range(0, INTERMEDIATE, 8):
@@ -384,7 +384,7 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
             for t in range(40):
                 one_by_one.append(target(ids[None, t:t + 1], cache, torch.tensor([[t]]))[0])
                 cache.advance(1)
-        # the tolerance covers fp32 kernels that differ by row count (runtime.model.Linear), not a misread history
+        # the tolerance covers fp32 kernels that differ by row count (runtime.cpu_packing.Linear), not a misread history
         torch.testing.assert_close(nll, F.cross_entropy(torch.cat(one_by_one, 1)[0, :-1].float(), ids[1:],
                                                     reduction="none"), atol=1e-4, rtol=1e-5)
         errors[scheme] = (nll - dense).abs().mean()

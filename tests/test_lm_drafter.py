@@ -24,7 +24,8 @@ from runtime.drafter import DraftBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.engine import Engine, EngineConfig
 from runtime.lm_drafter import LMDrafter
-from runtime.model import Transformer, hf_causal_lm, hf_config, hf_state_dict
+from runtime.hf_weights import hf_causal_lm, hf_config, hf_state_dict
+from runtime.model import Transformer
 from runtime.ngram import answer_spans
 from runtime.sampling import SamplingParams
 from train import recipes

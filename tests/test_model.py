@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import (Linear, ModelConfig, RMSNorm, Taps, Transformer, onednn_packs, own_fp32_kernel,
-                           packed_min_fp32_rows)
+from runtime.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
+from runtime.model import ModelConfig, RMSNorm, Taps, Transformer
 from runtime.tree import DraftTree
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -235,8 +235,8 @@ def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypa
     prepacked weight."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    monkeypatch.setattr("runtime.model.PACKED_MIN_FP32_ROWS", 4)
-    monkeypatch.setattr("runtime.model.OWN_FP32_KERNEL", False)
+    monkeypatch.setattr("runtime.cpu_packing.PACKED_MIN_FP32_ROWS", 4)
+    monkeypatch.setattr("runtime.cpu_packing.OWN_FP32_KERNEL", False)
     linear = Linear(16, 8).requires_grad_(False)
     linear.pack()
     calls = []

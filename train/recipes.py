@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from runtime.draft_head import DraftHead
 from runtime.eagle import EagleModel
 from runtime.medusa import MedusaConfig, MedusaHeads
-from runtime.model import Linear, Transformer
+from runtime.cpu_packing import Linear
+from runtime.model import Transformer
 from train.losses import KD_DISTANCES, cross_entropy_to, feature_regression, soft_cross_entropy, topk_accuracy
 from train.ttt import unroll
 

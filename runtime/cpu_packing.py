@@ -1,0 +1,103 @@
+"""How a linear layer's weight runs on the CPU: prepacked for oneDNN, through our own fp32 kernel, or plain.
+
+MKL re-packs a weight on every call, so a few-row product (a tree verify) costs well over a one-row one (a decode).
+Prepacked once, oneDNN runs both at about the cost of streaming the weight. The choice per CPU kind, and why, is
+measured in docs/cpu.md.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels import cpu_gemm
+
+
+def packed_min_fp32_rows(cpu_vendor: str) -> int:
+    """From how many rows an fp32 product runs prepacked: MKL's own kernel wins for fewer rows on Intel CPUs, and
+    takes a generic path elsewhere."""
+    return 4 if cpu_vendor == "GenuineIntel" else 1
+
+
+def own_fp32_kernel(cpu_vendor: str) -> bool:
+    """Whether fp32 inference products run through kernels/cpu_gemm instead of oneDNN: on AMD CPUs, where it was
+    measured faster; Intel CPUs keep MKL and oneDNN, which were tuned there."""
+    return cpu_vendor == "AuthenticAMD"
+
+
+PACKED_MIN_FP32_ROWS = packed_min_fp32_rows(cpu_gemm.cpu_info("vendor_id"))
+OWN_FP32_KERNEL = own_fp32_kernel(cpu_gemm.cpu_info("vendor_id"))
+# Our kernel serves products of up to this many rows (every decode, verify and short prefill), so a verify of up to
+# 255 draft nodes equals decoding bit for bit; oneDNN is faster on longer prefills.
+OWN_MAX_ROWS = 256
+# oneDNN's prepacked bf16 product gives each row its one-row result only up to 32 rows: a verify of more rows goes
+# in 32-row slices, or greedy speculation would drift from plain decoding
+PACKED_EXACT_ROWS = 32
+
+
+class Packable:
+    """A module whose matmul weight can carry a prepacked copy for CPU inference (`pack`). The plain weight stays:
+    training, export and embedding lookups read it, and non-CPU inputs fall back to it."""
+
+    weight: Tensor
+    packed: Tensor | None = None
+    panels: Tensor | None = None  # the weight packed for kernels/cpu_gemm, where its fp32 products of few rows run
+
+    def pack(self) -> None:
+        own = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)
+        self.panels = cpu_gemm.pack(self.weight) if own else None
+        # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+
+    def unpack(self) -> None:
+        self.packed = self.panels = None
+
+    @property
+    def own_fp32(self) -> bool:
+        return self.panels is not None
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        # neither fast path has a backward: they serve only forwards no gradient flows through
+        inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
+                                                    and (x.requires_grad or self.weight.requires_grad))
+        if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= OWN_MAX_ROWS * x.shape[-1]:
+            return cpu_gemm.small_linear(x, self.panels, self.weight.shape[0], bias)
+        if self.packed is not None and inference and x.dtype == self.packed.dtype \
+                and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
+            if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:
+                rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)
+                return torch.cat([self._packed(r, bias) for r in rows]).view(*x.shape[:-1], -1)
+            return self._packed(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def _packed(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear, Packable):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x, self.bias)
+
+
+@lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack `dtype` weights on this CPU: its bf16 path needs AVX-512 (bw, vl, dq) or
+    AVX-NE-CONVERT (probed once, as torch decides it)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def pack_for_cpu(model: nn.Module) -> nn.Module:
+    """Prepack every Packable's weight; a no-op off CPU or where oneDNN cannot pack its dtype. Call it after the
+    last .to() and the last weight update: packed copies neither move nor follow the weights."""
+    for module in model.modules():
+        if isinstance(module, Packable) and module.weight.device.type == "cpu" and onednn_packs(module.weight.dtype):
+            module.pack()
+    return model

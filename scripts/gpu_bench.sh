@@ -7,7 +7,7 @@
 # or BUDGET=device: with the bundle's device candidate that runs fastest on this GPU, as serving chooses it;
 # QUICK=1: only what no GPU has measured yet: the kernel table, the static steps' costs (also at serving's cache length,
 # over key spans and over the whole cache), the SmolLM2-shape bf16 bench, and where a graphed speculative step's time
-# goes (runtime.step_profile).
+# goes (pipeline.bench.step_profile).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -15,34 +15,34 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -m kernels.gpu_check --out "$OUT/kernels.json"
-python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --out "$OUT/step_costs_bf16.json"
-python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --compile --budgets 2x3/6,4x4/16 \
+python3 -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 --out "$OUT/step_costs_bf16.json"
+python3 -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 --compile --budgets 2x3/6,4x4/16 \
   --out "$OUT/step_costs_bf16_compiled.json"
 # serving's cache (the target's 4096 tokens): steps over the key span that holds the context, against the whole cache
-python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --budgets 2x3/6 --cache-len 4096 \
+python3 -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 --budgets 2x3/6 --cache-len 4096 \
   --out "$OUT/step_costs_bf16_cache4096.json"
-python3 -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 --budgets 2x3/6 --cache-len 4096 \
+python3 -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 --budgets 2x3/6 --cache-len 4096 \
   --min-span 4096 --out "$OUT/step_costs_bf16_cache4096_whole.json"
-python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
+python3 -m pipeline.bench.random_weights --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/smollm2_bf16.json"
-python3 -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 --budget 2x3/6 \
+python3 -m pipeline.bench.step_profile --random-weights smollm2-135m --dtype bfloat16 --budget 2x3/6 \
   --out "$OUT/step_profile_bf16.json"
 # the graph rows across key spans (up to 384 keys: spans of 256 and 512), in fp32, where their tokens equal our AR's
-python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 320 --n-prompts 2 \
+python3 -m pipeline.bench.random_weights --random-weights smollm2-135m --dtype float32 --max-new-tokens 320 --n-prompts 2 \
   --out "$OUT/smollm2_fp32_spans.json"
 if [ -n "$FLASHINFER_WHEELS" ]; then  # each path against sdpa, then the eager rows through flashinfer end to end
   echo "== flashinfer"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fi \
       "$FLASHINFER_WHEELS"/*.whl \
-    && PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} python3 -m kernels.flashinfer_attention \
+    && PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} python3 -m pipeline.bench.flashinfer_check \
     && DRAFTSMITH_ATTENTION_BACKEND=flashinfer PYTHONPATH=/tmp/fi timeout ${FLASHINFER_TIMEOUT:-240} \
-      python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 \
+      python3 -m pipeline.bench.random_weights --random-weights smollm2-135m --dtype bfloat16 --max-new-tokens 128 \
       --out "$OUT/smollm2_bf16_flashinfer.json"
   echo "flashinfer exit $?"
 fi
 [ -n "$QUICK" ] && exit 0
-python3 -m runtime.gpu_bench --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
-python3 -m runtime.gpu_bench --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \
+python3 -m pipeline.bench.random_weights --random-weights smollm2-135m --dtype float32 --max-new-tokens 64 --out "$OUT/smollm2_fp32.json"
+python3 -m pipeline.bench.random_weights --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/llama3_8b_bf16.json"
 if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
   python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \

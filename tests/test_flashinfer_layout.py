@@ -1,17 +1,18 @@
 """The flashinfer backend on the CPU: the KV cache read in place as flashinfer's HND pages, SpecAttn's keep masks as
 the per-kv-head block map of its variable block-sparse wrapper, and the backend's calls of the three wrappers.
-flashinfer's kernels only run on a GPU (`python -m kernels.flashinfer_attention` compares them with SDPA there); here
+flashinfer's kernels only run on a GPU (`python -m pipeline.bench.flashinfer_check` compares them with SDPA there); here
 a torch stand-in of the wrappers (torch_flashinfer.py) takes the backend's calls, and must give the sdpa backend's
 results on the tensors the runtime passes."""
 import pytest
 import torch
 
-from kernels.flashinfer_attention import PAGE, FlashInferBackend, _random_tree_mask, paged_view, sparse_blocks
+from pipeline.bench.flashinfer_check import random_tree_mask
+from runtime.attention.flashinfer import PAGE, FlashInferBackend, paged_view, sparse_blocks
 from kernels.sparse_attention import sparse_attention_torch
 from runtime.attention import BACKEND_ENV, BACKENDS
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget
 from runtime.engine import Engine, EngineConfig
-from runtime.gpu_bench import ReplayDrafter
+from pipeline.bench.random_weights import ReplayDrafter
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer
 from torch_flashinfer import TorchFlashInfer, unpage
@@ -51,7 +52,7 @@ def test_block_map_is_each_kv_heads_own_mask_and_keep(per_query):
     torch.manual_seed(1)
     T, S, G = 4, 20, 3
     q, keys, values = torch.randn(1, G * HKV, T, D), torch.randn(1, HKV, S, D), torch.randn(1, HKV, S, D)
-    mask = _random_tree_mask(T, S, "cpu")
+    mask = random_tree_mask(T, S, "cpu")
     keep = torch.rand(1, HKV, T if per_query else 1, S) < 0.5
     keep[..., S - T:] = True
     blocks = sparse_blocks(mask, keep, T)
@@ -72,7 +73,7 @@ def test_calls_flashinfer_cannot_take_go_to_sdpa(dtype):
     _, keys, values = cache_slice(30, 40)
     keys, values = keys.to(dtype), values.to(dtype)
     q = torch.randn(1, 2 * HKV, 3, D, dtype=dtype)
-    mask = _random_tree_mask(3, 30, "cpu")
+    mask = random_tree_mask(3, 30, "cpu")
     backend = FlashInferBackend()
     torch.testing.assert_close(backend(q, keys, values, mask, None), BACKENDS["sdpa"](q, keys, values, mask, None))
     assert backend._fi is None
@@ -99,7 +100,7 @@ def test_backend_calls_equal_sdpa(T, sparse, per_query):
     cache, keys, values = cache_slice(S, 50)
     keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
     q = bf16(1, 3 * HKV, T, D)
-    mask = None if T == 1 else _random_tree_mask(T, S, "cpu")
+    mask = None if T == 1 else random_tree_mask(T, S, "cpu")
     keep = None
     if sparse:
         keep = torch.rand(1, HKV, T if per_query else 1, S) < 0.5
@@ -121,12 +122,12 @@ def test_a_plan_serves_every_layer_of_a_forward():
     _, keys, values = cache_slice(30, 64)
     keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
     q, q_draft = bf16(1, 2 * HKV, 4, D), bf16(1, HKV, 4, D)  # the drafter: another head count
-    mask = _random_tree_mask(4, 30, "cpu")
+    mask = random_tree_mask(4, 30, "cpu")
     for _ in range(3):  # three target layers, a drafter layer between them
         backend(q, keys, values, mask, None)
         backend(q_draft, keys, values, mask, None)
     assert module.plans() == 2 and len(module.made) == 2
-    backend(q, keys, values, _random_tree_mask(4, 30, "cpu"), None)  # the next forward
+    backend(q, keys, values, random_tree_mask(4, 30, "cpu"), None)  # the next forward
     assert module.plans() == 3
     for S in (20, 20, 21):  # decode: the plan depends on the key count only
         backend(q[:, :, :1], keys[:, :, :S], values[:, :, :S], None, None)

@@ -7,17 +7,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-import runtime.attention
+import runtime.attention.triton_sparse
 from helpers import run_in_triton_interpreter
 from runtime.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
-from runtime.drafter import DraftBudget, Drafter
-from runtime.eagle import EagleDrafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter
+from runtime.drafters.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
-from runtime.lm_drafter import LMDrafter
+from runtime.drafters.lm import LMDrafter
 from runtime.model import Taps, Transformer
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
-from train import recipes
+from train.recipes import eagle as eagle_recipe
+from train.recipes import lm as lm_recipe
 
 N_LAYERS = 4
 
@@ -31,7 +33,7 @@ def target(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def eagle(target):
-    return recipes.build_eagle(target, None).eval()  # "one more target layer": untrained, but it attends
+    return eagle_recipe.build_eagle(target, None).eval()  # "one more target layer": untrained, but it attends
 
 
 def test_registry_picks_sdpa_on_cpu_and_honours_an_override(monkeypatch, target):
@@ -152,7 +154,7 @@ def test_eagle_draft_attention_is_aligned_to_target_keys(target, eagle):
 
 
 def test_lm_draft_attention_is_every_layers_rows_over_the_prefix(target):
-    lm = recipes.build_lm(target, 2, "target").eval()
+    lm = lm_recipe.build_lm(target, 2, "target").eval()
     prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5))
     tokens = torch.cat([prompt, torch.tensor([9])])  # the root, 9, sits at position 20 after keys 0..19
     drafter = LMDrafter(lm, 128)
@@ -178,7 +180,7 @@ def test_engine_sparse_verification_with_an_lm_drafter(target):
     """An lm drafter made of every target layer attends exactly as the target does: mapped layer to layer, its
     attention selects keys for verification."""
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(6)).tolist()
-    lm = recipes.build_lm(target, N_LAYERS, "target").eval()
+    lm = lm_recipe.build_lm(target, N_LAYERS, "target").eval()
     budget = DraftBudget(depth=3, width=2, nodes=5)
 
     def generate(sparse):
@@ -213,8 +215,8 @@ def test_engine_sparse_verification(target, eagle):
 def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
     target = Transformer.from_pretrained(model_dir, max_seq_len=128)
     calls, listings = [], []
-    kernel, listing = runtime.attention.sparse_attention_triton, runtime.attention.kept_positions
-    runtime.attention.sparse_attention_triton = lambda *args: calls.append(1) or kernel(*args)
+    kernel, listing = runtime.attention.triton_sparse.sparse_attention_triton, runtime.attention.triton_sparse.kept_positions
+    runtime.attention.triton_sparse.sparse_attention_triton = lambda *args: calls.append(1) or kernel(*args)
     listed = []  # (keys the keep mask spans, the most any kv head keeps)
 
     def listing_spy(keep):
@@ -223,11 +225,11 @@ def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
         listed.append((keep.shape[-1], int(counts.max())))
         return positions, counts
 
-    runtime.attention.kept_positions = listing_spy
+    runtime.attention.triton_sparse.kept_positions = listing_spy
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     config = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3, width=2, nodes=5),
                           sparse=SpecAttnConfig((-1, -1, 0, 0), top_p=0.5, sink=1, recent=2))
-    drafter = EagleDrafter(recipes.build_eagle(target, None).eval(), 128)
+    drafter = EagleDrafter(eagle_recipe.build_eagle(target, None).eval(), 128)
     outs = {}
     for name in ("sdpa", "triton_sparse"):
         os.environ[BACKEND_ENV] = name

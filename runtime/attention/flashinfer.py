@@ -1,4 +1,4 @@
-"""flashinfer attention backend (issue #8, GPU only), through flashinfer's batch wrappers over the KV cache in place:
+"""flashinfer attention backend (GPU only), through flashinfer's batch wrappers over the KV cache in place:
 
 - decode (one query, no mask): `BatchDecodeWithPagedKVCacheWrapper`;
 - prefill and tree verification (a mask): `BatchPrefillWithPagedKVCacheWrapper` with the mask as its custom mask;
@@ -9,14 +9,13 @@ The keys a layer gets are a slice [1, Hkv, S, D] of a cache laid out [.., Hkv, L
 slice as flashinfer's HND pages of up to `PAGE` tokens over the same memory (flashinfer reads a paged cache's
 strides), so no key is copied; the sparse wrapper takes the keys whole and copies them. A wrapper's `plan` is host
 work, done once per forward: every layer of a forward gets the same mask, and the layers mapped to one draft layer
-the same keep (runtime.attention.AttentionBackend), so a plan is kept for the next call with the same objects.
+the same keep (AttentionBackend), so a plan is kept for the next call with the same objects.
 
-Falls back to torch SDPA (the reference) where flashinfer has no kernel or cannot plan (`_plannable`): fp32, batch > 1,
-and inside a CUDA graph capture or torch.compile, where a replay would not repeat the host-side plan. Registered by
-runtime/attention.py only when the `flashinfer` package is installed (the optional extra `gpu`); flashinfer itself is
-imported on first use. Its kernels only run on a GPU: `python -m kernels.flashinfer_attention` compares each path
-with SDPA there and times both. On the CPU the tests run this backend through a torch stand-in of the three
-wrappers (tests/torch_flashinfer.py).
+Falls back to sdpa where flashinfer has no kernel or cannot plan (`_plannable`): fp32, batch > 1, and inside a CUDA
+graph capture or torch.compile, where a replay would not repeat the host-side plan. Registered only when the
+`flashinfer` package is installed (the optional extra `gpu`); flashinfer itself is imported on first use.
+`python -m pipeline.bench.flashinfer_check` compares each path with sdpa on a GPU and times both; on the CPU the
+tests run this backend through a torch stand-in of the three wrappers (tests/torch_flashinfer.py).
 """
 from __future__ import annotations
 
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from runtime.attention.base import BACKENDS, AttentionBackend
 
 PAGE = 16  # tokens per page: pages let flashinfer split a long context between thread blocks
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace
@@ -69,8 +70,7 @@ class _Planned:
         return not same
 
 
-class FlashInferBackend:
-    """A runtime.attention.AttentionBackend (duck-typed here so kernels/ does not import runtime/)."""
+class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"
     device_type = "cuda"  # where flashinfer's kernels run; the tests give a torch stand-in of the module on the CPU
@@ -117,8 +117,6 @@ class FlashInferBackend:
     def __call__(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor | None) -> Tensor:
         B, H, T, D = q.shape
         if not self._plannable(q, keys):
-            from runtime.attention import BACKENDS
-
             return BACKENDS["sdpa"](q, keys, values, mask, keep)
         if keep is not None:
             return self._sparse(q, keys, values, mask, keep)
@@ -153,59 +151,3 @@ class FlashInferBackend:
             planned.wrapper.plan(sparse_blocks(mask, keep, T), row_sizes, col_sizes, H, Hkv, D,
                                  q_data_type=q.dtype, kv_data_type=keys.dtype)
         return planned.wrapper.run(q[0], keys[0], values[0]).unsqueeze(0)  # [H, T, D] in and out
-
-
-def _random_tree_mask(T: int, S: int, device: str) -> Tensor:
-    """A verify's mask [1, 1, T, S]: a random tree of T nodes (each one's parent an earlier node or the root) over a
-    committed prefix of S - T keys."""
-    from runtime.model import attention_mask
-    from runtime.tree import DraftTree
-
-    parents = [-1] + [int(torch.randint(-1, i, (1,))) for i in range(T - 2)]
-    tree = DraftTree.from_lists([0] * (T - 1), parents, None, device).ancestor_mask()  # [T, T], the root first
-    lengths = torch.tensor([S - T], device=device)
-    return attention_mask(lengths, (lengths + torch.arange(T, device=device))[None], S, tree)
-
-
-def _check() -> int:
-    """Each path against the sdpa backend (fp32 math from the same bf16 inputs), KV as slices of a longer cache as
-    the runtime passes them; exit 1 where one is off by more than bf16 accuracy."""
-    import triton.testing
-
-    from kernels.sparse_attention import sparse_attention_torch
-    from runtime.attention import BACKENDS
-
-    sdpa, fi = BACKENDS["sdpa"], FlashInferBackend()
-    torch.manual_seed(0)
-    worst = 0.0
-    print(f"{'case':<44}{'rel err':>10}{'sdpa ms':>10}{'flashinfer ms':>15}")
-    for H, Hkv, D in ((9, 3, 64), (32, 8, 128)):
-        for S, spare, T, sparse in ((256, 64, 1, False), (2048, 64, 1, False), (250, 3, 1, False),
-                                    (256, 64, 6, False), (2048, 64, 6, False), (256, 64, 64, False),
-                                    (2048, 64, 16, True), (250, 3, 6, True)):
-            dt = torch.bfloat16
-            q = torch.randn(1, H, T, D, device="cuda").to(dt)
-            k = torch.randn(1, Hkv, S + spare, D, device="cuda").to(dt)[:, :, :S]  # a cache slice
-            v = torch.randn(1, Hkv, S + spare, D, device="cuda").to(dt)[:, :, :S]
-            mask = None if T == 1 else _random_tree_mask(T, S, "cuda")
-            keep = None
-            if sparse:  # each kv head keeps a random half of the prefix, and every new token
-                keep = torch.rand(1, Hkv, 1, S, device="cuda") < 0.5
-                keep[..., S - T:] = True
-            if keep is None:
-                ref = sdpa(q.float(), k.float(), v.float(), mask, None)
-            else:
-                ref = sparse_attention_torch(q.float(), k.float(), v.float(), mask, keep)
-            got = fi(q, k, v, mask, keep).float()
-            err = float((got - ref).norm() / ref.norm())
-            worst = max(worst, err)
-            t_s = triton.testing.do_bench(lambda: sdpa(q, k, v, mask, keep), return_mode="median")
-            t_f = triton.testing.do_bench(lambda: fi(q, k, v, mask, keep), return_mode="median")
-            case = f"H{H}/{Hkv} D{D} S{S} (cache {S + spare}) T{T}{' sparse' if sparse else ''}"
-            print(f"{case:<44}{err:>10.2e}{t_s:>10.4f}{t_f:>15.4f}")
-    print(f"worst rel err {worst:.2e} ({'ok' if worst < 1e-2 else 'FAILED'}: bf16 accuracy is < 1e-2)")
-    return 0 if worst < 1e-2 else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(_check())

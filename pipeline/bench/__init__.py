@@ -1,0 +1,1 @@
+"""Benchmarks, profiles and device checks: above the runtime they measure, never imported by it."""

@@ -1,0 +1,22 @@
+"""Attention backends (a registry: base.py) and SpecAttn's key selection (specattn.py).
+
+"sdpa" (torch SDPA) runs everywhere and is the reference; "triton_sparse" (CUDA, or Triton's CPU interpreter) reads
+only SpecAttn's kept keys; "flashinfer" (CUDA) registers where the package is installed.
+"""
+import importlib.util
+
+from runtime.attention.base import (AUTO_ORDER, BACKEND_ENV, BACKENDS, AttentionBackend, attention_weights,
+                                    exact_dtype, pick_backend, register_backend)
+from runtime.attention.sdpa import SdpaBackend
+from runtime.attention.specattn import SpecAttnConfig, kept_keys, kv_reads
+from runtime.attention.triton_sparse import TritonSparseBackend
+
+register_backend(SdpaBackend())
+register_backend(TritonSparseBackend())
+if importlib.util.find_spec("flashinfer") is not None:  # found without importing it: that happens on first use
+    from runtime.attention.flashinfer import FlashInferBackend
+
+    register_backend(FlashInferBackend())
+
+__all__ = ["AUTO_ORDER", "BACKEND_ENV", "BACKENDS", "AttentionBackend", "SpecAttnConfig", "attention_weights",
+           "exact_dtype", "kept_keys", "kv_reads", "pick_backend", "register_backend"]

@@ -1,13 +1,8 @@
 """Export a drafter's cache-free step to ONNX (torch's dynamo exporter) and check it against onnxruntime.
 
-The exported step is what a serving stack without our runtime needs to draft:
-  eagle:  input_ids [B, T], features [B, T, H] -> next features [B, T, H], draft logits [B, T, Vd]
-          (pairs at positions 1..T, causal among themselves: EagleModel.causal on an empty cache)
-  medusa: features [B, T, H] -> logits [B, T, K, Vd]
-  lm:     input_ids [B, T] -> logits [B, T, V] (the small LM's own forward at positions 0..T-1, causal; its
-          reduced draft vocabulary, if any, is a row selection the caller applies)
-Batch and sequence axes are dynamic; weights are stored inside the one .onnx file so the bundle's sha256 of
-that file covers them.
+The exported step is what a serving stack without our runtime needs to draft; each kind names its inputs and
+outputs (runtime.drafter.DrafterKind.onnx_inputs/onnx_outputs) and builds the step (onnx_step). Batch and sequence
+axes are dynamic; weights are stored inside the one .onnx file so the bundle's sha256 of that file covers them.
 """
 from __future__ import annotations
 
@@ -16,74 +11,36 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from runtime.eagle import EagleModel
-from runtime.medusa import MedusaHeads
-from runtime.model import NoCache, Transformer, attention_mask
+from runtime.drafters import get_kind
 
 ONNX_FILE = "drafter.onnx"
-KINDS = ("eagle", "medusa", "lm")
-INPUT_NAMES = {"eagle": ("input_ids", "features"), "medusa": ("features",), "lm": ("input_ids",)}
-OUTPUT_NAMES = {"eagle": ("next_features", "logits"), "medusa": ("logits",), "lm": ("logits",)}
-
-
-class EagleStep(nn.Module):
-    """EagleModel.causal on an empty cache, plus the draft head: the same forward, minus the KV bookkeeping."""
-
-    def __init__(self, model: EagleModel):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
-        B, T = input_ids.shape
-        positions = torch.arange(1, T + 1, device=input_ids.device).expand(B, T)
-        empty = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        mask = attention_mask(empty, positions, T, None)
-        next_features = self.model(input_ids, features, positions, NoCache(), None, T, mask)
-        return next_features, self.model.head(next_features)
-
-
-class LMStep(nn.Module):
-    """The LM drafter's forward over whole sequences without a KV cache (Transformer.run_uncached)."""
-
-    def __init__(self, model: Transformer):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model.run_uncached(input_ids).logits
 
 
 def drafter_step(drafter: nn.Module, kind: str) -> nn.Module:
     """The module that is exported (and that parity is measured against) for a drafter of `kind`, in eval mode."""
-    expected = {"eagle": EagleModel, "medusa": MedusaHeads, "lm": Transformer}
-    if kind not in expected:
-        raise ValueError(f"ONNX export: kind {kind!r} is not one of {KINDS}")
-    if not isinstance(drafter, expected[kind]):
-        raise ValueError(f"ONNX export: kind {kind!r} takes drafter type {expected[kind].__name__}, "
+    k = get_kind(kind)
+    if not k.onnx_inputs:
+        raise ValueError(f"ONNX export: a {kind} drafter has no ONNX step")
+    if not isinstance(drafter, k.module_type):
+        raise ValueError(f"ONNX export: kind {kind!r} takes drafter type {k.module_type.__name__}, "
                          f"got {type(drafter).__name__}")
     dtype = next(drafter.parameters()).dtype
     if dtype != torch.float32:  # onnxruntime's CPU kernels (and numpy, for parity) have no bfloat16
         raise ValueError(f"ONNX export: the drafter is {dtype}, expected torch.float32 (cast it with .float())")
-    step = {"eagle": EagleStep, "lm": LMStep}.get(kind)  # medusa's heads are their own step
-    return (step(drafter) if step else drafter).eval()
+    return k.onnx_step(drafter).eval()
 
 
 def example_inputs(drafter: nn.Module, kind: str, batch: int, seq: int, seed: int = 0) -> dict[str, Tensor]:
     """Random inputs of the right names and shapes (token ids within the target vocabulary)."""
     drafter_step(drafter, kind)  # the same kind, type and dtype checks as the export
-    g = torch.Generator().manual_seed(seed)
-    if kind == "eagle":
-        return {"input_ids": torch.randint(0, drafter.embed_weight.shape[0], (batch, seq), generator=g),
-                "features": torch.randn(batch, seq, drafter.cfg.dim, generator=g)}
-    if kind == "lm":
-        return {"input_ids": torch.randint(0, drafter.config.vocab_size, (batch, seq), generator=g)}
-    return {"features": torch.randn(batch, seq, drafter.cfg.hidden_size, generator=g)}
+    return get_kind(kind).onnx_example(drafter, batch, seq, torch.Generator().manual_seed(seed))
 
 
 def _ordered(kind: str, inputs: dict[str, Tensor]) -> tuple[Tensor, ...]:
-    if set(inputs) != set(INPUT_NAMES[kind]):
-        raise ValueError(f"ONNX {kind} step takes inputs {INPUT_NAMES[kind]}, got {sorted(inputs)}")
-    return tuple(inputs[name] for name in INPUT_NAMES[kind])
+    names = get_kind(kind).onnx_inputs
+    if set(inputs) != set(names):
+        raise ValueError(f"ONNX {kind} step takes inputs {names}, got {sorted(inputs)}")
+    return tuple(inputs[name] for name in names)
 
 
 def export_onnx(drafter: nn.Module, kind: str, inputs: dict[str, Tensor], path: str | Path) -> dict:
@@ -99,8 +56,9 @@ def export_onnx(drafter: nn.Module, kind: str, inputs: dict[str, Tensor], path: 
     path = Path(path)
     with torch.no_grad():
         torch.onnx.export(step, args, str(path), dynamo=True, external_data=False, verbose=False,
-                          input_names=list(INPUT_NAMES[kind]), output_names=list(OUTPUT_NAMES[kind]),
-                          dynamic_shapes={name: axes for name in INPUT_NAMES[kind]})
+                          input_names=list(get_kind(kind).onnx_inputs),
+                          output_names=list(get_kind(kind).onnx_outputs),
+                          dynamic_shapes={name: axes for name in get_kind(kind).onnx_inputs})
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto)
 
@@ -122,12 +80,13 @@ def check_onnx_parity(drafter: nn.Module, kind: str, path: str | Path, inputs: d
     step = drafter_step(drafter, kind)
     args = _ordered(kind, inputs)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = session.run(list(OUTPUT_NAMES[kind]), {n: t.cpu().numpy() for n, t in zip(INPUT_NAMES[kind], args)})
+    k = get_kind(kind)
+    got = session.run(list(k.onnx_outputs), {n: t.cpu().numpy() for n, t in zip(k.onnx_inputs, args)})
     with torch.no_grad():
         want = step(*args)
     want = want if isinstance(want, tuple) else (want,)
     max_abs, max_rel = 0.0, 0.0
-    for name, g, w in zip(OUTPUT_NAMES[kind], got, want):
+    for name, g, w in zip(k.onnx_outputs, got, want):
         if tuple(g.shape) != tuple(w.shape):
             raise ValueError(f"ONNX output {name!r} has shape {tuple(g.shape)}, torch gives {tuple(w.shape)}")
         error = (torch.from_numpy(g).float() - w.float()).abs()

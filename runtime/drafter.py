@@ -1,58 +1,20 @@
-"""The interface between the engine and every drafter (n-gram, LM, Medusa, EAGLE)."""
+"""The interfaces of a drafter: `Drafter`, what the engine drives while decoding, and `DrafterKind`, what the
+stages need to know about one kind of drafter (runtime/drafters holds one module per kind)."""
 from __future__ import annotations
 
 import abc
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import Tensor, nn
 
+from runtime.budget import DraftBudget
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
-
-@dataclass(frozen=True)
-class DraftBudget:
-    depth: int  # longest root-to-leaf path
-    width: int = 1  # most children per node
-    nodes: int = 0  # most nodes in the tree; 0 -> depth * width
-
-    def __post_init__(self):
-        for name in ("depth", "width"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"DraftBudget: {name}={v!r}, expected an int >= 1")
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 0:
-            raise ValueError(f"DraftBudget: nodes={self.nodes!r}, expected an int >= 0 (0 = depth * width)")
-
-    @property
-    def max_nodes(self) -> int:
-        return self.nodes or self.depth * self.width
-
-
-BUDGET_SPEC = "DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE]"
-
-
-def budget_fields(text: str) -> dict:
-    """A budget spec, e.g. 2x3/6+8@5 -> EngineConfig fields: a fixed budget (not adapted while decoding), LOOKUP
-    n-gram lookup nodes, MAX_TREE the most nodes a verify holds (drafter's and lookup's together; 0: no limit).
-    ValueError on a malformed spec."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:/(\d+))?(?:\+(\d+))?(?:@(\d+))?", text.strip())
-    expected = f"{text!r}: expected {BUDGET_SPEC} with depth, width >= 1, e.g. 2x3/6+8@5"
-    if m is None:
-        raise ValueError(expected)
-    depth, width, nodes, lookup, max_tree = (int(g or 0) for g in m.groups())
-    try:
-        budget = DraftBudget(depth, width, nodes)
-    except ValueError as e:
-        raise ValueError(f"{expected} ({e})") from None
-    return {"budget": budget, "adaptive": False, "lookup": lookup, "max_tree": max_tree}
-
-
-def budget_spec(row: dict) -> str:
-    """The spec budget_fields reads, of a draft budget entry (depth, width, nodes, lookup, max_tree): 2x3/6+8@5."""
-    return f"{row['depth']}x{row['width']}/{row['nodes']}" + f"+{row['lookup']}" * bool(row.get("lookup")) \
-        + f"@{row['max_tree']}" * bool(row.get("max_tree"))
+if TYPE_CHECKING:
+    from runtime.model import ForwardOutput, Transformer
 
 
 class Drafter(abc.ABC):
@@ -90,4 +52,72 @@ class Drafter(abc.ABC):
         """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as
         non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix]; None
         after a commit or while track_attention is off. Drafters without attention return None (the default), and verification stays dense."""
+        return None
+
+
+@dataclass(frozen=True)
+class EngineExport:
+    """A drafter in the layout a serving engine loads: config.json, the tensors of its weights file under the
+    names the engine's loader maps (exactly `expected`: export refuses a missing or an unexpected one), and any
+    other files (name -> bytes)."""
+    format: str
+    config: dict
+    tensors: dict[str, Tensor]
+    expected: tuple[str, ...]
+    files: dict[str, bytes] = field(default_factory=dict)
+    launch_flags: tuple[str, ...] = ()  # how the engine is told to serve it; "{dir}" stands for the export's dir
+
+
+class DrafterKind:
+    """One kind of drafter for the stages that train, calibrate, export and serve it. Its module in
+    runtime/drafters defines it as `KIND`; its training recipe lives in train/recipes/<name>.py. A method a kind
+    does not support raises ValueError naming the kind and what it lacks."""
+
+    name: ClassVar[str]
+    weighted: ClassVar[bool] = True  # trained weights; False: built from its config alone
+    attends: ClassVar[bool] = False  # its attention can select the target's keys (SpecAttn's layer map)
+    module_type: ClassVar[type | None] = None  # the class of its trained module; None: weightless
+    onnx_inputs: ClassVar[tuple[str, ...]] = ()  # its ONNX step's input and output names; (): no ONNX step
+    onnx_outputs: ClassVar[tuple[str, ...]] = ()
+
+    def unsupported(self, what: str) -> ValueError:
+        return ValueError(f"a {self.name} drafter has no {what}")
+
+    def config(self, module: nn.Module | None, draft_vocab: int, settings: Any) -> dict:
+        """drafter_config.json: with the weights, everything `module` needs to rebuild a trained drafter.
+        `settings`: the run's drafter section (pipeline.config.DrafterCfg)."""
+        raise NotImplementedError
+
+    def module(self, config: dict, target: Transformer, max_len: int, keep_ids: Tensor | None) -> nn.Module:
+        """The untrained module a config describes; `keep_ids`: its reduced draft vocabulary, if any."""
+        raise self.unsupported("weights")
+
+    def drafter(self, module: nn.Module | None, config: dict, target: Transformer, max_len: int,
+                keep_ids: Tensor | None) -> Drafter:
+        """The Drafter the engine drives around a trained module (None for a weightless kind); `keep_ids` is a
+        reduced draft vocabulary where the module's head does not carry it."""
+        raise NotImplementedError
+
+    def onnx_step(self, module: nn.Module) -> nn.Module:
+        """The cache-free step export writes to ONNX, taking onnx_inputs and returning onnx_outputs."""
+        raise self.unsupported("ONNX step")
+
+    def onnx_example(self, module: nn.Module, batch: int, seq: int, generator: torch.Generator) -> dict[str, Tensor]:
+        """Random inputs of onnx_inputs' names and shapes."""
+        raise self.unsupported("ONNX step")
+
+    def draft_attention(self, module: nn.Module, target_out: ForwardOutput, ids: Tensor) -> Tensor:
+        """SpecAttn calibration: [draft layers, heads, T, T], query t's weights over the target's keys 0..t as the
+        drafter sees them when it proposes x_{t+1}; `target_out` is the target's forward over `ids` [T]."""
+        raise self.unsupported("attention over the target's keys")
+
+    def engine_exports(self, module: nn.Module, verifier: dict,
+                       speculative_tokens: int = 5) -> dict[str, EngineExport | str]:
+        """The serving-engine layouts of this kind, by format name: this drafter in it, or why it cannot express
+        it. `verifier`: the target's name_or_path and architectures; `speculative_tokens`: the draft length the
+        engine is told to propose."""
+        return {}
+
+    def hf_assistant(self, drafter: Drafter) -> nn.Module | None:
+        """An HF causal LM driving the same drafter, for HF assisted generation as validate's peer; None."""
         return None

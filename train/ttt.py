@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from runtime.attention import pick_backend
-from runtime.eagle import EagleModel
+from runtime.drafters.eagle import EagleModel
 
 
 MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the default's is ~42 MB)
@@ -74,8 +74,8 @@ def unroll(model: EagleModel, ids: Tensor, inputs: Tensor, depth: int,
 
     wanted: per depth a [B, T-1] bool of the rows a loss reads. Only those rows, and the rows a deeper wanted row
     is unrolled from, then pay for the block's output projection and MLP (every row still writes the keys deeper
-    depths attend to); the other rows of the result are zeros. A training batch's prompt and padding rows are
-    ~40% of it, so this saves about a quarter of the block's products and gives the same predictions where wanted."""
+    depths attend to); the other rows of the result are zeros: a batch's prompt and padding rows cost no MLP, and
+    the predictions where wanted are the same."""
     B, T = ids.shape
     n = T - 1
     kv, out, feats = ChainKV(), [], inputs

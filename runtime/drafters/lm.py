@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from runtime.draft_head import DraftHead
-from runtime.drafter import DraftBudget, Drafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter, DrafterKind
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
 from runtime.cpu_packing import pack_for_cpu
 from runtime.model import ModelConfig, RopeScaling, Taps, Transformer
@@ -107,3 +108,51 @@ class LMDrafter(Drafter):
     def draft_attention(self) -> Tensor | None:
         """Per layer and head, the sums of the root's and the expanded nodes' attention rows over the prefix."""
         return self.attention
+
+
+class LMStep(nn.Module):
+    """The LM drafter's forward over whole sequences without a KV cache (Transformer.run_uncached); its reduced
+    draft vocabulary, if any, is a row selection the caller applies."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model.run_uncached(input_ids).logits
+
+
+class LMKind(DrafterKind):
+    name = "lm"
+    module_type = Transformer
+    attends = True
+    onnx_inputs, onnx_outputs = ("input_ids",), ("logits",)
+
+    def config(self, module, draft_vocab, settings):
+        return LMConfig(module.config, draft_vocab).to_dict()
+
+    def module(self, config, target, max_len, keep_ids):
+        return Transformer(LMConfig.from_dict(config).model, max_len)
+
+    def drafter(self, module, config, target, max_len, keep_ids):
+        return LMDrafter(module, max_len, keep_ids)
+
+    def onnx_step(self, module):
+        return LMStep(module)
+
+    def onnx_example(self, module, batch, seq, generator):
+        return {"input_ids": torch.randint(0, module.config.vocab_size, (batch, seq), generator=generator)}
+
+    def draft_attention(self, module, target_out, ids):
+        T = ids.numel()
+        taps = Taps(attention_layers=tuple(range(module.config.n_layers)))
+        o = module.run(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
+        return torch.stack([o.attention[i][0] for i in taps.attention_layers])
+
+    def hf_assistant(self, drafter):
+        from runtime.hf_weights import hf_causal_lm
+
+        return hf_causal_lm(drafter.model)
+
+
+KIND = LMKind()

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from runtime.draft_head import DraftHead
-from runtime.drafter import DraftBudget, Drafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter, DrafterKind
 from runtime.dynamic_tree import grow_tree, tree_probs
 from runtime.cpu_packing import Linear, pack_for_cpu
 from runtime.sampling import SamplingParams
@@ -80,3 +81,28 @@ class MedusaDrafter(Drafter):
         budget = DraftBudget(depth=depth, width=budget.width, nodes=budget.nodes)
         return grow_tree(probs[0], lambda c, ids: probs[[c.depth(i) for i in ids]], budget, params, generator,
                          keep_q=not params.greedy, vocab=self.heads.head)
+
+
+class MedusaKind(DrafterKind):
+    name = "medusa"
+    module_type = MedusaHeads
+    onnx_inputs, onnx_outputs = ("features",), ("logits",)
+
+    def config(self, module, draft_vocab, settings):
+        return module.cfg.to_dict()
+
+    def module(self, config, target, max_len, keep_ids):
+        cfg = MedusaConfig(**{k: v for k, v in config.items() if k != "kind"})
+        return MedusaHeads(cfg, DraftHead(target.output.weight, keep_ids))
+
+    def drafter(self, module, config, target, max_len, keep_ids):
+        return MedusaDrafter(module)
+
+    def onnx_step(self, module):
+        return module  # the heads are their own step
+
+    def onnx_example(self, module, batch, seq, generator):
+        return {"features": torch.randn(batch, seq, module.cfg.hidden_size, generator=generator)}
+
+
+KIND = MedusaKind()

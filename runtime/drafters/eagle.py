@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.draft_head import DraftHead
-from runtime.drafter import DraftBudget, Drafter
-from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
-from runtime.kv_cache import KVCache
+from runtime.budget import DraftBudget
 from runtime.cpu_packing import Linear, pack_for_cpu
-from runtime.model import Block, ModelConfig, Transformer, attention_mask, rope_tables
+from runtime.draft_head import DraftHead
+from runtime.drafter import Drafter, DrafterKind, EngineExport
+from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
+from runtime.hf_weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
+from runtime.kv_cache import KVCache
+from runtime.model import Block, ForwardOutput, ModelConfig, NoCache, Transformer, attention_mask, rope_tables
 from runtime.sampling import SamplingParams
 from runtime.static_draft import StaticEagleTree
 from runtime.tree import DraftTree
@@ -186,3 +188,115 @@ class EagleDrafter(Drafter):
     def draft_attention(self) -> Tensor | None:
         """Sums of the root's and the expanded nodes' attention rows (one draft layer, per head)."""
         return self.attention
+
+
+class EagleStep(nn.Module):
+    """EagleModel.causal on an empty cache, plus the draft head: the same forward, minus the KV bookkeeping."""
+
+    def __init__(self, model: EagleModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        B, T = input_ids.shape
+        positions = torch.arange(1, T + 1, device=input_ids.device).expand(B, T)
+        empty = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+        mask = attention_mask(empty, positions, T, None)
+        next_features = self.model(input_ids, features, positions, NoCache(), None, T, mask)
+        return next_features, self.model.head(next_features)
+
+
+class EagleKind(DrafterKind):
+    """Engines run the same EAGLE network: fc([embed(x); feature]) -> one Llama decoder layer without its
+    input_layernorm -> the target's lm_head; embedding and lm_head come from the target at load time, so neither
+    format stores them. speculators' `eagle` (src/speculators/models/eagle.py) loads with the speculators library;
+    vLLM registers only eagle3 and later. SGLang's LlamaForCausalLMEagle (python/sglang/srt/models/llama_eagle.py)
+    reads fc.* and layers.0.*, and a reduced draft vocabulary as the hot-token list of --speculative-token-map."""
+
+    name = "eagle"
+    module_type = EagleModel
+    attends = True
+    onnx_inputs, onnx_outputs = ("input_ids", "features"), ("next_features", "logits")
+
+    def config(self, module, draft_vocab, settings):
+        return EagleConfig(draft_vocab).to_dict()
+
+    def module(self, config, target, max_len, keep_ids):
+        return EagleModel(target.config, target.tok_embeddings.weight, DraftHead(target.output.weight, keep_ids),
+                          max_len)
+
+    def drafter(self, module, config, target, max_len, keep_ids):
+        return EagleDrafter(module, max_len)
+
+    def onnx_step(self, module):
+        return EagleStep(module)
+
+    def onnx_example(self, module, batch, seq, generator):
+        return {"input_ids": torch.randint(0, module.embed_weight.shape[0], (batch, seq), generator=generator),
+                "features": torch.randn(batch, seq, module.cfg.dim, generator=generator)}
+
+    def draft_attention(self, module, target_out: ForwardOutput, ids):
+        T = ids.numel()
+        _, att = module.causal_step(ids[None, 1:], target_out.hidden[:, :-1], module.new_cache(1, T - 1),
+                                    want_weights=True)
+        return F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None]  # query 0 has no pair
+
+    def engine_exports(self, module, verifier, speculative_tokens=5):
+        if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens={speculative_tokens!r}, expected an int >= 1")
+        cfg = module.cfg
+        problem = llama_layer_problem(cfg) or (None if isinstance(module.block.attention_norm, nn.Identity) else
+                                               "its block applies input_layernorm to the fused input, which the "
+                                               "engines skip for layer 0 (EAGLE's reference layout)")
+        if problem:
+            return dict.fromkeys(("sglang-eagle", "speculators-eagle"), problem)
+        layer = hf_layer_tensors(module.block.state_dict(), cfg)
+        fc = {k: v.detach().clone() for k, v in module.fc.state_dict().items()}
+        names = llama_layer_names(cfg, input_norm=False)
+        fc_names = ("weight", "bias")[:1 + (module.fc.bias is not None)]
+        hf_layer = llama_layer_config(cfg, module.fc.weight.dtype)
+        out: dict[str, EngineExport | str] = {}
+        out["sglang-eagle"] = "SGLang's LlamaMLP has no biases" if cfg.mlp_bias else EngineExport(
+            "sglang-eagle", {**hf_layer, "architectures": ["LlamaForCausalLMEagle"]},
+            {f"fc.{k}": v for k, v in fc.items()} | {f"layers.0.{k}": v for k, v in layer.items()},
+            tuple(f"fc.{n}" for n in fc_names) + tuple(f"layers.0.{n}" for n in names),
+            files=_hot_tokens(module.head),
+            launch_flags=("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{dir}")
+            + ("--speculative-token-map", f"{{dir}}/{HOT_TOKENS}") * module.head.reduced)
+        out["speculators-eagle"] = (
+            f"the speculators `eagle` format drafts over the verifier's whole lm_head: it has no reduced draft "
+            f"vocabulary (this drafter keeps {module.head.weight.shape[0]} tokens)") if module.head.reduced else \
+            EngineExport("speculators-eagle", _speculators_eagle_config(hf_layer, module, verifier, speculative_tokens),
+                         {f"fusion_fc.{k}": v for k, v in fc.items()} | {f"transformer.{k}": v for k, v in layer.items()},
+                         tuple(f"fusion_fc.{n}" for n in fc_names) + tuple(f"transformer.{n}" for n in names))
+        return out
+
+
+HOT_TOKENS = "hot_token_ids.pt"  # SGLang's --speculative-token-map: torch.load(weights_only=True) of a list
+
+
+def _hot_tokens(head: DraftHead) -> dict[str, bytes]:
+    if not head.reduced:
+        return {}
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(head.keep_ids.tolist(), buffer)
+    return {HOT_TOKENS: buffer.getvalue()}
+
+
+def _speculators_eagle_config(layer: dict, module: EagleModel, verifier: dict, speculative_tokens: int) -> dict:
+    return {"speculators_model_type": "eagle", "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+            "transformer_layer_architecture": "LlamaDecoderLayer", "transformer_layer_config": layer,
+            "layernorms": False,  # no embedding or pre-lm-head norms, and the layer's input_layernorm is skipped
+            "fusion_bias": module.fc.bias is not None, "torch_dtype": layer["torch_dtype"],
+            "speculators_config": {
+                "algorithm": "eagle", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                      "verifier_accept_k": 1,
+                                      "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": verifier["name_or_path"],
+                             "architectures": list(verifier["architectures"])}}}
+
+
+KIND = EagleKind()

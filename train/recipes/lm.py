@@ -1,0 +1,100 @@
+"""An independent small LM: the target's first layers or an existing small LM (LoRA-tuned), distilled on the
+target's next-token distributions."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.cpu_packing import Linear
+from runtime.draft_head import DraftHead
+from runtime.model import Transformer
+from train.losses import KD_DISTANCES
+from train.recipes import LossFn, Recipe
+from train.target_outputs import target_features, top1
+
+
+def build_lm(target: Transformer, layers: int, init: str) -> Transformer:
+    """A small LM of the target's width and vocabulary with `layers` blocks. init "target": the target's
+    embeddings, first `layers` blocks, final norm and lm_head (it starts as an early exit of the target);
+    "random": the same shape, initialised as HF initialises Llama (normal, std 0.02)."""
+    if not 1 <= layers <= target.config.n_layers:
+        raise ValueError(f"drafter.lm_layers={layers}: expected 1..{target.config.n_layers} (the target's depth)")
+    model = Transformer(replace(target.config, n_layers=layers), target.max_seq_len)
+    if init == "target":
+        model.load_state_dict({k: v for k, v in target.state_dict().items()
+                               if not k.startswith("layers.") or int(k.split(".")[1]) < layers})
+    elif init == "random":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+                elif name.endswith("bias"):
+                    p.zero_()
+    else:
+        raise ValueError(f"drafter.lm_init={init!r}: expected 'target' or 'random'")
+    return model.to(target.dtype).requires_grad_(True).train()
+
+
+def build_lm_lora(target: Transformer, base: str | Path, rank: int) -> nn.Module:
+    """An existing small causal LM (HF directory) with peft LoRA adapters of `rank` on every matmul but the
+    lm_head; only the adapters train. merge_lora() folds them back into a plain Transformer."""
+    from peft import LoraConfig, get_peft_model
+
+    model = Transformer.from_pretrained(base, dtype=target.dtype, max_seq_len=target.max_seq_len)
+    if model.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter.lm_base={str(base)!r} has vocab_size {model.config.vocab_size}, the target "
+                         f"{target.config.vocab_size}: the drafter must share the target's tokenizer")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear) and m is not model.output}
+    for m in linears.values():
+        m.unpack()  # train on the plain weights: prepacked copies would go stale when the adapters merge
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                      target_modules=sorted({name.rsplit(".", 1)[-1] for name in linears}))
+    return get_peft_model(model, lora).train()
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """A LoRA-tuned model as its plain base module with the adapters merged in; any other module unchanged."""
+    from peft import PeftModel
+
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model
+
+
+def lm_kd_loss(target: Transformer, kind: str, keep_ids: Tensor | None = None) -> LossFn:
+    """Knowledge distillation of an LM drafter: `kind` (forward_kl | tv) between the target's and the drafter's
+    next-token distributions at every position whose next token is an assistant token. With `keep_ids` both are
+    over the reduced draft vocabulary, the one the drafter proposes from."""
+    if kind not in KD_DISTANCES:
+        raise ValueError(f"distill.kd_loss={kind!r}: expected one of {sorted(KD_DISTANCES)}")
+    distance, target_head = KD_DISTANCES[kind], DraftHead(target.output.weight, keep_ids)
+
+    def loss_fn(model: Transformer, batch: dict) -> tuple[Tensor, dict]:
+        t = target_features(target, batch)
+        goal = target_head(t.features[:, :-1])  # row j: the distribution of token j+1
+        hidden = model.run_uncached(batch["input_ids"], no_logits=True).hidden[:, :-1]
+        weight = model.output.weight
+        logits = F.linear(hidden, weight if target_head.keep_ids is None else weight[target_head.keep_ids])
+        m = t.mask[:, 1:]
+        return distance(goal, logits, m), {"top1": top1(logits, goal, m)}
+
+    return loss_fn
+
+
+class LMRecipe(Recipe):
+    def build(self, target, drafter, distill, keep_ids):
+        """`drafter.lm_base`: an HF directory (distill resolves presets and hub ids first), else None."""
+        if drafter.lm_base:
+            return build_lm_lora(target, drafter.lm_base, drafter.lora_rank)
+        return build_lm(target, drafter.lm_layers, drafter.lm_init)
+
+    def loss(self, target, drafter, distill, keep_ids):
+        return lm_kd_loss(target, distill.kd_loss, keep_ids)
+
+    def finish(self, module):
+        return merge_lora(module)
+
+
+RECIPE = LMRecipe()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.attention import SpecAttnConfig
-from runtime.drafter import DraftBudget
+from runtime.budget import ServedBudget
 from runtime.files import sha256_file
 
 FORMAT = "draftsmith-bundle/1"
@@ -67,30 +67,26 @@ class Bundle:
                 raise BundleError(f"SpecAttn top-p {top_p!r}: {e}") from None
         return {"sparse": sparse} if sparse.top_p < 1.0 else {}
 
-    def engine_settings(self, budget: DraftBudget, override: dict | None = None) -> dict:
-        """EngineConfig fields validate and serving run the bundle with: the calibrated KV scheme, SpecAttn and draft
-        budget (whether the engine adapts it, and the n-gram lookup branch, with the bundle's corpus if it has one);
-        `budget` and the engine's defaults when it has none. `override` (budget fields, as `pipeline bench --budget`
-        gives them) replaces the calibrated budget."""
-        fields = {"budget": budget, **self.kv_settings(), **self.sparse_settings()}
-        if self.has(DRAFT_BUDGET):
-            fields |= budget_settings(json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"])
-        return self.with_budget(fields, override or {})
+    def served_budget(self, fallback: ServedBudget) -> ServedBudget:
+        """The draft budget calibrate measured fastest on this machine; `fallback` for a bundle without one."""
+        if not self.has(DRAFT_BUDGET):
+            return fallback
+        return ServedBudget.from_dict(json.loads(self.path(DRAFT_BUDGET).read_text())["chosen"])
 
-    def with_budget(self, fields: dict, budget: dict) -> dict:
-        """`fields` with the budget fields `budget` (budget_settings, budget_fields) and the lookup corpus its branch
-        drafts from, where the bundle has one."""
-        fields = {k: v for k, v in fields.items() if k != "lookup_corpus"} | budget
-        corpus = self.lookup_corpus(fields.get("lookup", 0))
-        return fields if corpus is None else fields | {"lookup_corpus": corpus}
-
-    def device_candidates(self, fields: dict) -> list[tuple[dict, dict]]:
-        """The draft budgets calibrate measured tau for on every prompt, for a device to time and choose among
-        (runtime.device_budget.choose_on_device): (draft_budget.json row, `fields` with that budget) pairs; [] for
-        bundles without them."""
+    def device_candidates(self) -> list[tuple[ServedBudget, float]]:
+        """The budgets calibrate measured tau for on every prompt, with that tau, for a device to time and choose
+        among (runtime.device_budget); [] for bundles without them."""
         rows = json.loads(self.path(DRAFT_BUDGET).read_text()).get("device_candidates", []) \
             if self.has(DRAFT_BUDGET) else []
-        return [(row, self.with_budget(fields, budget_settings(row))) for row in rows]
+        return [(ServedBudget.from_dict(row), row["tau"]) for row in rows]
+
+    def engine_fields(self, budget: ServedBudget, specattn_top_p: float | None = None) -> dict:
+        """EngineConfig fields the bundle runs with under `budget`: the calibrated KV scheme and SpecAttn (at
+        `specattn_top_p` instead of the calibrated top-p, where given), and the lookup corpus the budget's branch
+        drafts from, where the bundle has one."""
+        fields = budget.engine_fields() | self.kv_settings() | self.sparse_settings(specattn_top_p)
+        corpus = self.lookup_corpus(budget.lookup)
+        return fields if corpus is None else fields | {"lookup_corpus": corpus}
 
     def lookup_corpus(self, lookup: int):
         """The lookup branch's corpus trie for a branch of `lookup` nodes (runtime.ngram.NgramDrafter); None
@@ -105,13 +101,6 @@ class Bundle:
         from safetensors.torch import load_file
 
         return load_file(str(self.path(name)))
-
-
-def budget_settings(row: dict) -> dict:
-    """EngineConfig fields of a draft_budget.json entry (chosen, a sweep row or a device candidate): the tree, whether
-    the engine adapts it, the lookup branch and the verify cap (older bundles have neither)."""
-    return {"budget": DraftBudget(depth=row["depth"], width=row["width"], nodes=row["nodes"]),
-            "adaptive": row["adaptive"], "lookup": row.get("lookup", 0), "max_tree": row.get("max_tree", 0)}
 
 
 def kv_engine_fields(kv_quant: dict) -> dict:

@@ -1,46 +1,27 @@
-"""Greedy autoregressive decoding with the one-token decode step captured in a CUDA graph (issue #8).
+"""The engine's target forward at static shapes, captured in CUDA graphs (`StaticVerifier`).
 
-At small model sizes a GPU decode step is bound by Python and kernel-launch overhead, not by the weights it
-streams: SmolLM2-135M runs ~30 layers x ~15 kernels per token. Capturing the whole step -- embedding, every
-block, the final norm, lm_head, argmax, and feeding the argmax back as the next step's input -- once in a CUDA
-graph turns it into one launch, with no host synchronisation between tokens.
-
-Capture needs static shapes, so the captured step differs from `Transformer.run` in one way: attention reads a
-static span of the KV cache with a mask (key slot <= position) instead of slicing the cache to the live length.
-The span is the smallest power of two (at least MIN_SPAN, at most the cache) that holds the step's keys, one graph
-per span: a step's attention costs what the live context needs, not the whole cache (serving allocates the
-target's full context, 4096 tokens for SmolLM2), at a few graphs more. The arithmetic over visible keys is the
-same; masked keys get weight exactly 0. Same modules, same weights, same KV cache class (runtime/kv_cache.py):
-the prefill runs through the ordinary `Transformer.forward`.
-
-Scope: greedy decoding, batch 1, no sliding window, no SpecAttn / quantised KV. CUDA only; importing this module
-needs no GPU.
-
-A graph removes the launches' host cost but not the kernels themselves: at SmolLM2's size a graphed decode token
-still costs ~2.5 ms on an H200 for ~0.14 ms of weight reads (docs/gpu.md). With `compile` a static step is fused by
-torch.compile (inductor) before capture: norms, rope, cache writes, residual adds and SiLU become a few generated
-kernels around the matmuls and attention.
-
-`StaticVerifier` does the same for the Engine's verify forward (root + draft tree), any sampling: tree sizes are
-bucketed to static shapes, one graph per bucket; SpecAttn's sparse verification included (kept keys as a static
-input, listed inside the graph by the attention backend).
+At small model sizes a GPU step is bound by kernel launches, not by the weights it streams; a captured step is one
+launch with no host synchronisation inside. Capture needs static shapes: verify sizes (root + draft tree) are
+padded to buckets, and attention reads a static span of the KV cache with a mask instead of slicing the cache to the
+live length. The span is the smallest power of two (at least MIN_SPAN, at most the cache) that holds the step's
+keys, a graph per (bucket, span): a step's attention costs what the live context needs, not the whole cache. Masked
+keys get weight exactly 0, so the arithmetic over visible keys is that of the eager forward. With `compile` a static
+step is fused by torch.compile (inductor) before capture. CUDA only where graphs are captured; off CUDA the same
+static step runs eagerly, which is what the CPU tests check.
 """
 from __future__ import annotations
 
 from typing import Callable, TypeVar
 
 import torch
-import torch.nn.functional as F
 
-from kernels.sdpa import sdpa_kernels
 from runtime.attention import SpecAttnConfig
 from runtime.kv_cache import KVCache
-from runtime.model import Transformer, apply_rope, attention_mask
+from runtime.model import Transformer, attention_mask
 
 Out = TypeVar("Out")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
 MIN_SPAN = 256  # fewest cache slots a static step attends over (key_span)
-STOP_CHECK = 16  # the graphed decoder looks for a stop token every this many tokens
 # specialisations of one static step's code (every bucket, depth and instance is one): dynamo's default of 8
 # would send later ones back to eager without a word
 RECOMPILE_LIMIT = 512
@@ -77,108 +58,6 @@ def check_static_inputs(who: str, cache: KVCache, buckets: tuple[int, ...]) -> N
         raise ValueError(f"{who} needs a batch-1, full-precision KVCache")
     if not buckets or min(buckets) < 1:
         raise ValueError(f"{who}: buckets={buckets}, expected sizes >= 1")
-
-
-class GraphedGreedyDecoder:
-    """`generate(prompt_ids, max_new_tokens)` -> new tokens, greedy. `use_graph=False` runs the same static-shape
-    step eagerly (to separate what capture buys from what the static step itself changes); `compile` fuses it
-    first (compile_step). Each key span's step is captured on first use."""
-
-    def __init__(self, model: Transformer, max_len: int, use_graph: bool = True, warmup: int = 3,
-                 compile: bool = False):
-        c = model.config
-        require_cuda(model.device, use_graph)
-        if c.sliding_window is not None:
-            raise ValueError("GraphedGreedyDecoder does not support sliding-window attention")
-        if max_len > model.max_seq_len:
-            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {model.max_seq_len}")
-        self.model, self.max_len, self.use_graph, self.warmup = model, max_len, use_graph, warmup
-        dev = model.device
-        with torch.inference_mode():
-            self.cache = model.new_cache(batch=1, max_len=max_len)
-            self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)  # input of the next step
-            self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)  # its position == its cache slot
-            self.step = torch.zeros(1, dtype=torch.long, device=dev)  # where the step writes its argmax in `out`
-            self.out = torch.zeros(max_len, dtype=torch.long, device=dev)
-            self.key_slot = torch.arange(max_len, device=dev)
-        self.next_pos = 0  # the host's copy of `pos`: choosing a span reads nothing from the device
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by key span
-        self.run_step = compile_step(self._step, compile)
-
-    # ------------------------------------------------------------------ the static step
-    def _step(self, span: int) -> None:
-        m, cache, c = self.model, self.cache, self.model.config
-        H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
-        pos = self.pos
-        cos, sin = m.rope_cos[pos].unsqueeze(2), m.rope_sin[pos].unsqueeze(2)  # [1, 1, 1, D]
-        visible = (self.key_slot[:span] <= pos[0, 0]).view(1, 1, 1, span)
-        slot = pos[0]
-        x = m.tok_embeddings(self.token)
-        with sdpa_kernels(x.device):  # the kernels the eager engine uses: the same rounding
-            for i, block in enumerate(m.layers):
-                a = block.attention
-                qkv = a.wqkv(block.attention_norm(x)).view(1, 1, H + 2 * Hkv, D)
-                qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
-                if a.q_norm is not None:
-                    qk = torch.cat([a.q_norm(qk[:, :, :H]), a.k_norm(qk[:, :, H:])], dim=2)
-                q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
-                cache.k[i].index_copy_(2, slot, k.transpose(1, 2))
-                cache.v[i].index_copy_(2, slot, v.transpose(1, 2))
-                keys, values = cache.k[i][:, :, :span], cache.v[i][:, :, :span]  # [1, Hkv, span, D] static views
-                qg = q.reshape(1, Hkv, H // Hkv, D)  # grouped-query: each kv head's query heads as rows
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
-                x = x + a.wo(o.reshape(1, 1, H * D))
-                x = x + block.feed_forward(block.ffn_norm(x))
-        logits = m.output(m.norm(x))
-        nxt = logits[0, -1].argmax().view(1)
-        self.out.index_copy_(0, self.step, nxt)
-        self.token.copy_(nxt.view(1, 1))
-        self.pos.add_(1)
-        self.step.add_(1)
-
-    def decode_step(self) -> None:
-        """One more token: the static step over the span that holds the cache, replayed from its graph."""
-        span = key_span(self.next_pos + 1, self.max_len)
-        if not self.use_graph:
-            self.run_step(span)
-        elif span in self.graphs:
-            self.graphs[span].replay()
-        else:  # warmed up at this slot, rewound after each warm-up step; capture's replay makes this token
-            state = (self.token, self.pos, self.step)
-            saved = [t.clone() for t in state]
-            rewind = lambda: [t.copy_(s) for t, s in zip(state, saved)]  # noqa: E731
-            self.graphs[span] = capture(lambda: self.run_step(span), self.warmup, rewind)[0]
-        self.next_pos += 1
-
-    # ------------------------------------------------------------------ decoding
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
-        n = len(prompt_ids)
-        if not prompt_ids or max_new_tokens < 1 or n + max_new_tokens - 1 > self.max_len:
-            raise ValueError(f"prompt of {n} tokens + max_new_tokens={max_new_tokens} does not fit "
-                             f"max_len={self.max_len}")
-        m, cache, dev = self.model, self.cache, self.model.device
-        cache.reset()
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-        logits, _ = m(prompt, cache, torch.arange(n, device=dev)[None], last_logits_only=True)
-        first = logits[0, -1].argmax().view(1)
-        self.out[:1].copy_(first)
-        self.token.copy_(first.view(1, 1))
-        self.pos.fill_(n)
-        self.step.fill_(1)
-        self.next_pos = n
-        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
-        made = 1
-        while made < max_new_tokens:
-            # a stop check costs a host sync: look every STOP_CHECK tokens, and trim what follows the stop below
-            if stops is not None and made % STOP_CHECK == 0 and bool(torch.isin(self.out[:made], stops).any()):
-                break
-            self.decode_step()
-            made += 1
-        tokens = self.out[:made].tolist()
-        stop = set(stop_ids)
-        first_stop = next((i for i, t in enumerate(tokens) if t in stop), None)
-        return tokens if first_stop is None else tokens[:first_stop + 1]
 
 
 def capture(step: Callable[[], Out], warmup: int,

@@ -1,21 +1,21 @@
 """The draft budget for the device that serves: calibrate measures each candidate tree's tau on the CPU, this times
-a step of each on the device at hand and keeps the one that commits the most tokens a second (issue #8).
+a step of each on the device at hand and keeps the one that commits the most tokens a second.
 
-tau does not depend on the device (greedy verification accepts the same tokens), but what a wider tree costs
-does: on the 2-core CPU calibrate runs on, a 24-node verify costs 1.9x a decode token; on the H200 a 16-token
-verify cost 1.3x. So the budget calibrate chooses for the CPU is smaller than a GPU wants. A candidate's rate
-here is tau / (ms per speculative step), each step timed through the engine as it will serve (every phase:
-drafting, the lookup branch, verify, rollback), on one prompt, at the full budget (an adaptive candidate is timed
-without adapting: the most its step costs).
+tau does not depend on the device (greedy verification accepts the same tokens), but what a wider tree costs does,
+so the budget calibrate chooses for its CPU is smaller than a GPU wants. A candidate's rate here is tau / (ms per
+speculative step), each step timed through the engine as it will serve (drafting, the lookup branch, verify,
+rollback), at the full budget (an adaptive candidate is timed without adapting: the most its step costs).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from tqdm import tqdm
 
-from runtime.drafter import Drafter, budget_spec
+from runtime.budget import ServedBudget
+from runtime.drafter import Drafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 
@@ -33,22 +33,23 @@ def ms_per_step(engine: Engine, prompt: list[int], new_tokens: int = NEW_TOKENS,
     return best
 
 
-def choose_on_device(target: Transformer, new_drafter: Callable[[], Drafter], candidates: list[tuple[dict, dict]],
-                     prompt: list[int], make_config: Callable[[dict], EngineConfig],
-                     new_tokens: int = NEW_TOKENS, repeats: int = REPEATS) -> tuple[int, dict]:
-    """Time our autoregressive decode and a step of every candidate, each a (draft_budget.json row with its tau,
-    EngineConfig fields) pair, on `target`'s device; `make_config` gives the engine config serving runs fields with.
-    Returns the index of the candidate with the most tokens/s (tau / ms per step), and a report of all."""
+def choose_on_device(target: Transformer, new_drafter: Callable[[], Drafter],
+                     candidates: list[tuple[ServedBudget, float]], prompt: list[int],
+                     make_config: Callable[[ServedBudget], EngineConfig], new_tokens: int = NEW_TOKENS,
+                     repeats: int = REPEATS) -> tuple[int, dict]:
+    """Time our autoregressive decode and a step of every (budget, tau) candidate on `target`'s device; `make_config`
+    gives the engine config serving runs a budget with. Returns the index of the candidate with the most tokens/s
+    (tau / ms per step), and a report of all."""
     if not candidates:
         raise ValueError("choose_on_device: no candidate budgets")
-    plain = make_config(candidates[0][1] | {"sparse": None})  # no drafter: the budget is not read
+    plain = replace(make_config(candidates[0][0]), sparse=None)  # no drafter: the budget is not read
     ar_ms = ms_per_step(Engine(target, None, plain), prompt, new_tokens, repeats)
     rows = []
-    for row, fields in tqdm(candidates, desc=f"draft budget on {target.device.type}", unit="budget"):
-        engine = Engine(target, new_drafter(), make_config(fields | {"adaptive": False}))
+    for budget, tau in tqdm(candidates, desc=f"draft budget on {target.device.type}", unit="budget"):
+        engine = Engine(target, new_drafter(), make_config(replace(budget, adaptive=False)))
         ms = ms_per_step(engine, prompt, new_tokens, repeats)
-        rows.append({"budget": budget_spec(row), "adaptive": row["adaptive"], "tau": row["tau"], "step_ms": ms,
-                     "tokens_per_s": 1e3 * row["tau"] / ms, "speedup": row["tau"] * ar_ms / ms})
+        rows.append({"budget": budget.spec, "adaptive": budget.adaptive, "tau": tau, "step_ms": ms,
+                     "tokens_per_s": 1e3 * tau / ms, "speedup": tau * ar_ms / ms})
     best = max(range(len(rows)), key=lambda i: rows[i]["tokens_per_s"])
     return best, {"device": target.device.type, "prompt_tokens": len(prompt), "new_tokens": new_tokens,
                   "ar_step_ms": ar_ms, "chosen": rows[best]["budget"], "candidates": rows}

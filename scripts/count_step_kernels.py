@@ -12,9 +12,9 @@ from collections import Counter
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from runtime.cuda_graphs import GraphedGreedyDecoder
-from runtime.gpu_bench import random_models, random_prompts
-from runtime.step_profile import OpCounter
+from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
+from pipeline.bench.random_weights import random_models, random_prompts
+from pipeline.bench.step_profile import OpCounter
 
 def main() -> None:
     model = random_models("smollm2-135m", torch.float32, "cpu", max_seq_len=256, with_hf=False)[0]

@@ -1,7 +1,7 @@
 """tau (tokens per target forward) of a SmolLM2-135M-Instruct bundle on a prompt file for each draft budget: what a
 bigger verify buys.
 tau does not depend on the device in fp32 greedy decoding, so this CPU run tells a GPU, where a verify of 16-32
-tokens costs little more than one of 5, which budgets to time there (runtime.step_costs has the costs).
+tokens costs little more than one of 5, which budgets to time there (pipeline.bench.step_costs has the costs).
 
     python scripts/tau_by_budget.py runs/<id>/export/bundle runs/<id>/validate/prompts.jsonl 1x3/3+16@5 4x4/16+16@31
 """
@@ -14,13 +14,13 @@ import time
 import torch
 
 from pipeline.sources import resolve_target, target_fingerprint
-from runtime.bench import stop_ids
+from runtime.tokens import stop_ids
+from runtime.budget import ServedBudget
 from runtime.bundle import read_bundle
-from runtime.drafter import DraftBudget, budget_fields
-from runtime.drafters import build_drafter
-from runtime.engine import Engine, EngineConfig, tokens_per_forward
+from runtime.engine import tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
+from runtime.served import served_engine
 
 NEW_TOKENS = 128
 
@@ -35,9 +35,7 @@ def main(bundle_dir: str, prompts_file: str, *budgets: str) -> None:
     max_len = max(map(len, prompts)) + NEW_TOKENS + 80
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32, max_seq_len=max_len)
     for spec in budgets:
-        fields = bundle.engine_settings(DraftBudget(5), budget_fields(spec))
-        engine = Engine(target, build_drafter(bundle, target, max_len + 64),
-                        EngineConfig(max_seq_len=max_len, **fields))
+        engine = served_engine(bundle, target, max_len, budget=ServedBudget.parse(spec)).engine
         new = forwards = nodes = 0
         start = time.perf_counter()
         for ids in prompts:

@@ -1,8 +1,8 @@
-"""`pipeline bench --random-weights CONFIG`: the benchmark on a GPU with random weights of a named shape (issue #8).
+"""`pipeline bench --random-weights CONFIG`: the benchmark on a GPU with random weights of a named shape.
 
 No checkpoint is needed, so it runs where no weights can be carried (the lent GPU machine has no network): our
 Transformer is built from a named config with random weights, the HF LlamaForCausalLM from the same config gets
-the same weights (runtime.hf_weights.hf_state_dict), and the same runtime.bench.measure times, on the same random
+the same weights (runtime.hf_weights.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same random
 prompts:
   hf_generate     HF transformers `generate`, greedy (DynamicCache, sdpa attention)
   ours_ar         our Engine without a drafter (eager PyTorch)
@@ -24,7 +24,8 @@ import time
 import torch
 
 from runtime import cuda_graphs
-from runtime.drafter import DraftBudget, Drafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter
 from runtime.hf_weights import hf_causal_lm
 from runtime.model import ModelConfig, Transformer, rope_tables
 from runtime.tree import DraftTree
@@ -116,8 +117,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cuda", budget: DraftBudget = DraftBudget(5), accept_rate: float = 0.8,
                      graphs: bool = True, compiled: bool = False, seed: int = 0, print_table: bool = True) -> dict:
-    from runtime.bench import (copy_bandwidth, device_name, engine_method, graph_methods, hf_generate, measure,
-                               print_report, weight_bytes_per_token)
+    from pipeline.bench.harness import (copy_bandwidth, device_name, engine_method, graph_methods, hf_generate, measure, print_report, weight_bytes_per_token)
     from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
@@ -173,7 +173,7 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
 
 
 def add_arguments(ap) -> None:
-    """The random-weights flags, shared by `pipeline bench` and `python -m runtime.gpu_bench`."""
+    """The random-weights flags, shared by `pipeline bench` and `python -m pipeline.bench.random_weights`."""
     ap.add_argument("--random-weights", metavar="CONFIG", choices=sorted(RANDOM_CONFIGS),
                     help="benchmark random weights of this shape instead of --target (no checkpoint needed)")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -190,7 +190,7 @@ def add_arguments(ap) -> None:
 
 
 def step_tool_parser(description: str):
-    """The flags the per-step device tools share (runtime.step_costs, runtime.step_profile)."""
+    """The flags the per-step device tools share (pipeline.bench.step_costs, pipeline.bench.step_profile)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)

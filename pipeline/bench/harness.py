@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -17,13 +17,13 @@ import torch
 
 from runtime.attention import pick_backend
 from runtime.device import synchronizer
-from runtime.device_budget import NEW_TOKENS, choose_on_device, describe
-from runtime.drafter import DraftBudget, Drafter
+from runtime.device_budget import describe
+from runtime.drafter import Drafter
 from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
-
-DrafterFactory = Callable[[str, Transformer], Drafter]
+from runtime.served import ServedEngine, static_verify_config
+from runtime.tokens import encode, stop_ids
 Method = Callable[[list[int], torch.Generator], tuple[list[int], "Generation | None"]]
 
 
@@ -34,14 +34,6 @@ def default_bench_prompts() -> list[str]:
             "Give me a Python function that reverses a string, with a docstring.",
             "What are the main differences between a list and a tuple in Python?",
             "Summarise the plot of Romeo and Juliet in a paragraph."]
-
-
-def ngram_drafter_factory(spec: str, target: Transformer) -> Drafter:
-    from runtime.ngram import NgramDrafter
-
-    if spec != "ngram":
-        raise ValueError(f"drafter {spec!r}: this factory knows only 'ngram' (pass drafter_factory for bundles)")
-    return NgramDrafter(target.config.vocab_size)
 
 
 def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> float:
@@ -68,18 +60,22 @@ def weight_bytes_per_token(model: Transformer) -> int:
     return sum(p.numel() * p.element_size() for p in unique.values())
 
 
-def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[str | list[int]],
+@dataclass(frozen=True)
+class Speculation:
+    """What the speculative rows run: `build(target, max_seq_len, probe_prompt)` gives the served engine (a bundle's
+    through runtime.served.served_engine, which may time the device's budgets on the probe prompt)."""
+    label: str  # the report's "drafter"
+    longest: int  # most draft nodes a verify may hold, lookup branch included: the cache's room for them
+    build: Callable[[Transformer, int, list[int]], ServedEngine]
+
+
+def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculation: Speculation | None = None,
               max_new_tokens: int = 128, temperature: float = 0.0, *, dtype: torch.dtype = torch.float32,
-              device: str = "cpu", graphs: bool = True, engine_fields: dict | None = None,
-              drafter_factory: DrafterFactory = ngram_drafter_factory, chat_template: bool = True,
-              seed: int = 0, print_table: bool = True, compiled: bool = False,
-              device_candidates: list[tuple[dict, dict]] = ()) -> dict:
-    """Time HF generate, our autoregressive engine and (when drafter_spec is given) our speculative engine, the
-    engines built with `engine_fields` (EngineConfig fields, e.g. a bundle's Bundle.engine_settings; default: a
-    depth-5 chain). A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a
-    CUDA device with `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile).
-    With `device_candidates` (Bundle.device_candidates), the engines run the one whose step, timed here first as
-    serving runs it (graphed on CUDA), gives the most tokens/s (runtime.device_budget)."""
+              device: str = "cpu", graphs: bool = True, chat_template: bool = True, seed: int = 0,
+              print_table: bool = True, compiled: bool = False) -> dict:
+    """Time HF generate, our autoregressive engine and (given `speculation`) our speculative engine on `prompts`.
+    A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a CUDA device with
+    `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not prompts:
@@ -88,26 +84,18 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
-    fields = engine_fields or {"budget": DraftBudget(5)}
-    nodes = max(f["budget"].max_nodes for f in [fields] + [f for _, f in device_candidates])
-    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + nodes + 1
-
+    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0) + 1
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
     with_graphs = graphs and target.device.type == "cuda"
-    drafter = None if drafter_spec is None else lambda: drafter_factory(drafter_spec, target)
-    device_budget = None
-    if device_candidates and drafter is not None:
-        best, device_budget = choose_on_device(target, drafter, list(device_candidates), prompt_ids[0],
-                                               lambda f: served_config(f, max_seq_len, with_graphs),
-                                               new_tokens=min(NEW_TOKENS, max_new_tokens))
-        fields = device_candidates[best][1]
+    served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
+    cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
     methods: dict[str, Method] = {
         "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stops, gen), None),
         "ours_ar": engine_method(Engine(target, None, replace(cfg, sparse=None)), max_new_tokens, params, stops)}
-    if drafter is not None:
-        methods["ours_spec"] = engine_method(Engine(target, drafter(), cfg), max_new_tokens, params, stops)
+    if served is not None:
+        methods["ours_spec"] = engine_method(Engine(target, served.new_drafter(), cfg), max_new_tokens, params, stops)
+    drafter = served.new_drafter if served else None
     notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops, compiled) if with_graphs \
         else ["compiled rows left out: they are CUDA-graph rows (a CUDA device, graphs on)"] if compiled else []
 
@@ -117,13 +105,15 @@ def run_bench(target_dir: str | Path, drafter_spec: str | None, prompts: list[st
     ar = results["ours_ar"]
     floor_ms = 1e3 * weight_bytes_per_token(target) / bandwidth
     report = {
-        "target": str(target_dir), "drafter": drafter_spec, "dtype": str(dtype).removeprefix("torch."),
-        "prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature, "device": device_name(),
-        "torch_threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "weight_bytes_per_token": weight_bytes_per_token(target), "floor_ms_per_token": floor_ms,
-        "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"], "methods": results, "notes": notes,
-        "attention_backend": pick_backend(target.device).name,
-        "specattn": None if cfg.sparse is None else asdict(cfg.sparse), "device_budget": device_budget}
+        "target": str(target_dir), "drafter": speculation.label if speculation else None,
+        "dtype": str(dtype).removeprefix("torch."), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "device": device_name(), "torch_threads": torch.get_num_threads(),
+        "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_bytes_per_token(target),
+        "floor_ms_per_token": floor_ms, "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"],
+        "methods": results, "notes": notes, "attention_backend": pick_backend(target.device).name,
+        "budget": served.budget.spec if served else None,
+        "specattn": None if cfg.sparse is None else asdict(cfg.sparse),
+        "device_budget": served.device_report if served else None}
     if print_table:
         print_report(report)
     return report
@@ -144,7 +134,7 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
     size a graph: EngineConfig.static_verify). With `compiled`, both again as `..._compiled`, each step fused by
     torch.compile before capture (EngineConfig.compile_static); they compile during measure's warm-up. Returns
     notes on the rows: why one was left out or differs."""
-    from runtime.cuda_graphs import GraphedGreedyDecoder
+    from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
 
     static, why = static_verify_config(cfg)
     notes = [why] if why and drafter is not None else []
@@ -159,23 +149,6 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
             engine = Engine(target, drafter(), replace(static, compile_static=bool(suffix)))
             methods["ours_spec_graph" + suffix] = engine_method(engine, max_new_tokens, params, stops)
     return notes
-
-
-def served_config(fields: dict, max_seq_len: int, graphed: bool) -> EngineConfig:
-    """The engine config a bundle is served with (`fields`: Bundle.engine_settings): with every verify and greedy
-    draft step a CUDA graph where `graphed` (static_verify_config: a full-precision KV cache)."""
-    cfg = EngineConfig(max_seq_len=max_seq_len, **fields)
-    return static_verify_config(cfg)[0] if graphed else cfg
-
-
-def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
-    """The engine config of the `ours_spec_graph` row, and a note: a quantised KV cache has no static step, so that
-    row runs full-precision KV (as ours_ar_graph always does) and its tokens are compared with ours_ar_graph's."""
-    if cfg.kv_scheme is None:
-        return replace(cfg, static_verify=True), ""
-    return (replace(cfg, kv_scheme=None, static_verify=True),
-            f"graph rows run a full-precision KV cache (the {cfg.kv_scheme} KV cache has no static step): "
-            "ours_spec_graph is lossless if it equals ours_ar_graph, ours_ar runs the quantised cache")
 
 
 def interleaved(methods: dict[str, Callable], prompts: list, seed: int,
@@ -250,33 +223,6 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
         if {row, reference} <= results.keys():
             results[row][f"same_tokens_as_{reference}"] = outputs[row] == outputs[reference]
     return results
-
-
-def generation_stop_ids(model_dir) -> tuple[int, ...]:
-    """Where HF `generate` stops for the model in `model_dir`: generation_config.json's eos ids, else config.json's."""
-    import json
-    from pathlib import Path
-
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:  # no generation_config.json: HF derives one from the model config
-        eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
-    return tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-
-def stop_ids(tokenizer) -> tuple[int, ...]:
-    """Where generation ends: the tokenizer's end-of-sequence token (the chat template's end of turn)."""
-    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-
-
-def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
-    if chat_template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
 
 
 def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams, stop_ids: tuple[int, ...],

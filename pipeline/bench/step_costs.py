@@ -1,5 +1,5 @@
 """What each static step costs on a device: the graphed decode, the graphed verify at every bucket size and the
-EAGLE drafter's graphed tree at each budget (issue #8). The cost model for choosing a draft budget there.
+EAGLE drafter's graphed tree at each budget. The cost model for choosing a draft budget there.
 
 A speculative step with budget B costs about draft(B) + verify(bucket of 1 + B's verify nodes) + rollback, and
 commits tau(B) tokens, so speculation runs tau(B) x decode / step times the graphed decode. tau(B) does not depend
@@ -7,7 +7,7 @@ on the device (fp32 greedy): calibrate's device_candidates, or `pipeline bench -
 Serving does not use this model: it times whole steps of the candidates on its device (runtime.device_budget).
 On the CPU, where nothing is captured, this times the same steps run eagerly.
 
-    python -m runtime.step_costs --random-weights smollm2-135m --dtype bfloat16 [--compile] [--out costs.json]
+    python -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 [--compile] [--out costs.json]
 """
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from typing import Callable
 
 import torch
 
-from runtime.bench import device_name
-from runtime.cuda_graphs import BUCKETS, GraphedGreedyDecoder, StaticVerifier
+from pipeline.bench.harness import device_name
+from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
+from runtime.cuda_graphs import BUCKETS, StaticVerifier
 from runtime.device import synchronizer
 from runtime.draft_head import DraftHead
-from runtime.drafter import budget_fields
-from runtime.eagle import EagleModel
-from runtime.gpu_bench import random_models, random_prompts, run_step_tool, step_tool_parser
+from runtime.budget import ServedBudget
+from runtime.drafters.eagle import EagleModel
+from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
 from runtime.static_draft import StaticEagleTree
 
 BUDGETS = ("1x3/3", "2x1", "2x3/6", "3x3/9", "4x4/16", "6x4/24")
@@ -92,7 +93,7 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
     draft_ms = {}
     with reserved_mb(dev, capture_mb, "draft"):
         for spec in budgets:
-            budget = budget_fields(spec)["budget"]
+            budget = ServedBudget.parse(spec).tree
             if not tree.fits(PENDING, budget, context):
                 raise ValueError(f"budget {spec}: its tree does not fit a cache of {max_len} after {context} tokens")
             draft_ms[spec] = ms_per_call(lambda: tree(pending, features, budget, context), sync, repeats)

@@ -1,6 +1,5 @@
-"""Where a speculative step's time goes outside the captured graphs (issue #8): a graphed step of SmolLM2's shape
-cost ~5 ms on the H200 where its graphed decode token cost 2.5 ms, and a 16-row verify graph alone 1.3 decode
-tokens. This profiles the engine as serving runs it (static verify, graphed EAGLE trees; random weights) and says,
+"""Where a speculative step's time goes outside the captured graphs (docs/gpu.md has what a GPU showed). This
+profiles the engine as serving runs it (static verify, graphed EAGLE trees; random weights) and says,
 per step: the wall time of each phase, the operators dispatched outside the graphs (each a kernel launch on a GPU),
 and on a GPU the graph replays, kernel launches, device-busy time and every place the host waits for the device
 (torch.cuda's sync debug mode), by file and line. On the CPU, where nothing is captured, the counts include the
@@ -8,7 +7,7 @@ static steps run eagerly; apart from them it counts what runs outside the static
 operators, host reads of a tensor and tensors made from host data that a GPU step has to launch or wait for (the
 lookup branch's among them, which stay on the host there).
 
-    python -m runtime.step_profile --random-weights smollm2-135m --dtype bfloat16 [--budget 2x3/6] [--out p.json]
+    python -m pipeline.bench.step_profile --random-weights smollm2-135m --dtype bfloat16 [--budget 2x3/6] [--out p.json]
 """
 from __future__ import annotations
 
@@ -21,12 +20,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.bench import device_name
+from pipeline.bench.harness import device_name
 from runtime.draft_head import DraftHead
-from runtime.drafter import budget_fields
-from runtime.eagle import EagleDrafter, EagleModel
+from runtime.budget import ServedBudget
+from runtime.drafters.eagle import EagleDrafter, EagleModel
 from runtime.engine import Engine, EngineConfig
-from runtime.gpu_bench import random_models, random_prompts, run_step_tool, step_tool_parser
+from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
 
 VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",
          "t", "as_strided", "detach", "alias", "permute", "squeeze", "unbind", "chunk", "reshape", "_reshape_alias"}
@@ -163,12 +162,12 @@ def step_profile(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "
     """Profile the static speculative engine on random weights of RANDOM_CONFIGS[name] with a random EAGLE drafter
     (few of its nodes are accepted: the phases' costs, not tau, are the point), after `context` prompt tokens, with
     KV caches of `cache_len` slots or what the generation needs if more."""
-    fields = budget_fields(budget)
-    max_len = max(cache_len, context + new_tokens + fields["budget"].max_nodes + fields["lookup"] + 2)
+    served = ServedBudget.parse(budget)
+    max_len = max(cache_len, context + new_tokens + served.tree.max_nodes + served.lookup + 2)
     model = random_models(name, dtype, device, max_len, with_hf=False)[0]
     eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(model.device).eval()
     engine = Engine(model, EagleDrafter(eagle, max_len), EngineConfig(max_seq_len=max_len, static_verify=True,
-                                                                        **fields))
+                                                                        **served.engine_fields()))
     prompt = random_prompts(model.config.vocab_size, 1, seed=0, lengths=(context, context))[0]
     return {"target": f"random:{name}", "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
             "torch": torch.__version__, "budget": budget, "context": context, "cache_len": max_len,

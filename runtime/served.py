@@ -1,0 +1,64 @@
+"""The one way a bundle becomes the engine that serves it. Validate, serving, `pipeline bench` and scripts all call
+`served_engine`, so what validate measures is what serving runs: the calibrated budget, KV scheme and SpecAttn, and
+on a GPU every verify and greedy draft step a CUDA graph with the budget that runs fastest there."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from runtime.budget import ServedBudget
+from runtime.bundle import Bundle
+from runtime.device_budget import NEW_TOKENS, choose_on_device
+from runtime.drafter import Drafter
+from runtime.drafters import build_drafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+
+
+def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
+    """The engine config of the `ours_spec_graph` row, and a note: a quantised KV cache has no static step, so that
+    row runs full-precision KV (as ours_ar_graph always does) and its tokens are compared with ours_ar_graph's."""
+    if cfg.kv_scheme is None:
+        return replace(cfg, static_verify=True), ""
+    return (replace(cfg, kv_scheme=None, static_verify=True),
+            f"graph rows run a full-precision KV cache (the {cfg.kv_scheme} KV cache has no static step): "
+            "ours_spec_graph is lossless if it equals ours_ar_graph, ours_ar runs the quantised cache")
+
+
+@dataclass(frozen=True)
+class ServedEngine:
+    engine: Engine
+    budget: ServedBudget  # the budget it runs
+    eager_config: EngineConfig  # the same settings without static steps (a quantised KV cache included)
+    new_drafter: Callable[[], Drafter]  # a fresh drafter of the same bundle
+    device_report: dict | None = None  # choose_on_device's, where the budget was chosen by timing this device
+
+    def plain(self) -> Engine:
+        """Our autoregressive decode with the same target, cache and verifier: the baseline speculation is
+        measured against (dense: it reads every key)."""
+        return Engine(self.engine.target, None, replace(self.engine.cfg, sparse=None))
+
+
+def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fallback: ServedBudget = ServedBudget(),
+                  budget: ServedBudget | None = None, device_prompt: list[int] | None = None,
+                  specattn_top_p: float | None = None, graphed: bool | None = None,
+                  new_tokens: int = NEW_TOKENS) -> ServedEngine:
+    """The engine `bundle` serves with on `target`'s device. Its budget: `budget` where given, else the one calibrate
+    chose (`fallback` for bundles without one); with `device_prompt`, the bundle's device candidate that commits the
+    most tokens a second on this device, each timed first on that prompt. `graphed` (default: on CUDA) captures
+    every static step in a CUDA graph."""
+    graphed = target.device.type == "cuda" if graphed is None else graphed
+    new_drafter = lambda: build_drafter(bundle, target, max_seq_len)  # noqa: E731
+
+    def eager(b: ServedBudget) -> EngineConfig:
+        return EngineConfig(max_seq_len=max_seq_len, **bundle.engine_fields(b, specattn_top_p))
+
+    def config(b: ServedBudget) -> EngineConfig:
+        return static_verify_config(eager(b))[0] if graphed else eager(b)
+
+    chosen, report = budget or bundle.served_budget(fallback), None
+    candidates = bundle.device_candidates() if device_prompt is not None and budget is None else []
+    if candidates:
+        best, report = choose_on_device(target, new_drafter, candidates, device_prompt, config, new_tokens)
+        chosen = candidates[best][0]
+    return ServedEngine(Engine(target, new_drafter(), config(chosen)), chosen, eager(chosen), new_drafter, report)

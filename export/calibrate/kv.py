@@ -2,8 +2,8 @@
 calibration rows read through the quantised cache, tau with the target's and the drafter's caches quantised
 (the drafter reads hier-int4's upper plane only), and the time of a decode step in the precision validate and
 serving run, on this device. The most compressed scheme within both accuracy tolerances and the slowdown bound
-wins: compression saves memory, but where the history is dequantised on every read (the CPU torch path: +30% per
-SmolLM2 bf16 decode step for int4 at 256 tokens) it costs the speed the gate measures.
+wins: compression saves memory, but where the history is dequantised on every read (the CPU torch path) it costs
+the speed the gate measures.
 
 Perplexity is teacher-forced in chunks no longer than QuantizedKVCache.exact_depth() allows, so every query reads
 the history exactly as it would when decoding one token at a time.
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.distill import TauProbe
-from pipeline.specattn_calibration import next_token_nll, perplexity
+from export.calibrate.specattn import next_token_nll, perplexity
 from runtime.bundle import KV_QUANT, NO_KV_QUANT
 from runtime.device import synchronizer
 from runtime.drafter import Drafter
 from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
+from runtime.tau_probe import TauProbe
 
 
 @torch.inference_mode()

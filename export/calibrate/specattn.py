@@ -24,12 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.layer_map import LayerMap, kl_similarity, plot_layer_map
-from pipeline.distill import TauProbe
+from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
 from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
-from runtime.drafter import Drafter
-from runtime.eagle import EagleModel, on_target_keys
+from runtime.drafter import Drafter, DrafterKind
 from runtime.model import Taps, Transformer
+from runtime.tau_probe import TauProbe
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
 
@@ -54,22 +53,15 @@ def renormalised(att: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def calibration_row(target: Transformer, model: nn.Module, ids: torch.Tensor) -> CalibrationRow:
-    """`model`: an EagleModel or an `lm` drafter's Transformer. EAGLE's pair j = (x_{j+1}, f_j) sits at position
-    j+1 and attends pairs 0..j, i.e. tokens x_1..x_{j+1}; the target's query at position j+1 also sees x_0, which
-    the EAGLE draft never does: it is dropped from the rows compared in the layer map, which are renormalised over
-    x_1..x_{j+1}."""
+def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, ids: torch.Tensor) -> CalibrationRow:
+    """One row's target and draft attention. The draft's rows are in the target's key positions as the kind maps
+    them (an EAGLE pair never sees x_0, which the target's queries do: key 0 is dropped from the rows compared in
+    the layer map, which are renormalised over x_1..)."""
     T = ids.numel()
     layers = tuple(range(target.config.n_layers))
     out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=Taps(attention_layers=layers))
     att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers]))
-    if isinstance(model, EagleModel):
-        _, att = model.causal_step(ids[None, 1:], out.hidden[:, :-1], model.new_cache(1, T - 1), want_weights=True)
-        att_d = F.pad(on_target_keys(att), (0, 0, 1, 0))  # query 0 has no pair
-    else:
-        taps = Taps(attention_layers=tuple(range(model.config.n_layers)))
-        o = model.run(ids[None], model.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
-        att_d = torch.stack([o.attention[i][0] for i in taps.attention_layers])
+    att_d = kind.draft_attention(model, out, ids)
     return CalibrationRow(ids, att_t.float(), att_d.float(), next_token_nll(out.logits, ids))
 
 
@@ -180,12 +172,12 @@ def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, 
     return path
 
 
-def calibrate_specattn(out: Path, target: Transformer, model: nn.Module, drafter: Drafter, ids: list[torch.Tensor],
-                       *, dense_first: int, top_p: list[float], ppl_tolerance: float,
+def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model: nn.Module, drafter: Drafter,
+                       ids: list[torch.Tensor], *, dense_first: int, top_p: list[float], ppl_tolerance: float,
                        probe: TauProbe) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
     when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message)."""
-    rows = [calibration_row(target, model, r) for r in ids]
+    rows = [calibration_row(target, kind, model, r) for r in ids]
     S, layer_map = fit_layer_map(rows, dense_first)
     settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
     dense_ppl = perplexity([r.dense_nll for r in rows])

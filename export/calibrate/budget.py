@@ -1,11 +1,10 @@
 """Draft budget calibration: the draft tree the engine should grow, chosen by tokens/s measured on this machine.
 
 How big a tree pays depends on the drafter's acceptance and on what the hardware charges for a wider verify and
-a deeper draft: on the 2-core CPU a 24-node verify costs 1.9x a one-token decode, so a drafter accepting ~50% per
-depth is fastest with a 4-node tree (1.25x over plain decoding) and slower than plain decoding with 24 nodes
-(0.82x). Each candidate runs the engine as serving will (the chosen KV scheme, greedy) on held-out prompts that
+a deeper draft: on a 2-core CPU a wide verify costs well over a one-token decode, so a drafter accepting half its
+nodes per depth is fastest with a small tree, and slower than plain decoding with a wide one. Each candidate runs the engine as serving will (the chosen KV scheme, greedy) on held-out prompts that
 validate does not time; the fastest that clears validate's gate (tau and speedup) becomes draft_budget.json, which
-export ships and validate and serving read (runtime.bundle.Bundle.engine_settings). Both floors matter: the fastest
+export ships and validate and serving read (runtime.served). Both floors matter: the fastest
 budget on the CPU is often a one-token chain, whose tau (at most 2) may fall below gate.min_tau when a larger tree's
 would not, and for a weak drafter the only tree whose tau clears the floor with room to spare may be slower than
 plain decoding.
@@ -15,11 +14,8 @@ prompt gets those nodes accepted whatever the drafter proposed, and the timing s
 
 Candidates are timed by successive halving: all on the first two prompts, the preferred half on two more, and so
 on down to two finalists, each prompt running plain decoding and every remaining candidate back to back. The
-finalists run twelve prompts at validate's reply length: on the AMD host, four prompts of 64 tokens picked a 2x2/4
-tree without the lookup branch (1.52x there, 1.23x on validate's prompts) over the 2-chain with it (1.41x there,
-1.59x on validate's), and eight of 64 tokens picked the 2-chain + lookup 8 cut to 5 (1.72x in validate) over 2x2/4
-+ lookup 8 cut to 5 (1.90x on validate's prompts), since how much the branch gains depends on how much the prompts
-repeat and on how long the reply grows.
+finalists run twelve prompts at validate's reply length: how much the branch gains depends on how much the prompts
+repeat and on how long the reply grows, and fewer or shorter prompts picked worse budgets (docs/cpu.md).
 
 A GPU wants a bigger tree than the CPU (a wider verify costs it little more), and tau does not depend on the device:
 so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their tau on
@@ -34,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from runtime.drafter import DraftBudget, budget_spec
+from runtime.budget import DraftBudget, ServedBudget
 from runtime.engine import Engine, EngineConfig, tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
@@ -43,35 +39,35 @@ from runtime.sampling import SamplingParams
 LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 4, 16))
 # EngineConfig.max_tree caps tried on trees with the lookup branch, each on the rungs of this many nodes: a verify
 # of 6 or 12 rows fills the CPU kernel's 6-row tiles (kernels/cpu_gemm), and the cap keeps the likeliest nodes of
-# the drafter's and the lookup's (a 2x3/6 tree + lookup 8 cut to 5 simulated 6-8% faster than uncut 2x2/4 + 8)
+# the drafter's and the lookup's
 TREE_CAPS = {5: range(2, 7), 11: range(4, 13)}
 # (depth, width, nodes, max_tree) trees a GPU may prefer, whose tau calibrate measures on every prompt for the
-# serving device to time (runtime.device_budget): a GPU verifies a bucket of rows at about one cost (16 rows 1.3x a
-# decode token on the H200; runtime.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
+# serving device to time (runtime.device_budget): a GPU verifies a bucket of rows at about one cost
+# (runtime.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
 DEVICE_LADDER = ((2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0))
 PROMPTS_PER_ROUND = 2  # successive halving: every candidate runs the first 2 prompts, the better half 2 more, ...
 
 
-def candidates(configured: DraftBudget, lookups: tuple[int, ...] = (0,)) -> list[tuple[DraftBudget, bool, int, int]]:
-    """(budget, adaptive, lookup, max_tree) tuples: the ladder's rungs within the configured budget, then the
-    configured one fixed and adaptive (EngineConfig.adaptive shrinks the depth to recent acceptance and may stop
-    drafting), each with every lookup branch size; with a lookup branch, fixed rungs also cut to TREE_CAPS."""
-    out = [DraftBudget(depth=d, width=w, nodes=n) for d, w, n in LADDER
-           if d <= configured.depth and w <= configured.width and n <= configured.max_nodes]
+def candidates(configured: DraftBudget, lookups: tuple[int, ...] = (0,)) -> list[ServedBudget]:
+    """The ladder's rungs within the configured budget, then the configured one fixed and adaptive (the engine
+    shrinks the depth to recent acceptance and may stop drafting), each with every lookup branch size; with a
+    lookup branch, fixed rungs also cut to TREE_CAPS."""
+    out = [b for b in (DraftBudget(depth=d, width=w, nodes=n) for d, w, n in LADDER) if b.fits(configured)]
     out = [b for b in out if b != configured] + [configured]
     trees = [(b, False) for b in out] + [(configured, True)]
-    cut = [(b, False, cap) for cap, sizes in TREE_CAPS.items() for b in out if b.max_nodes in sizes]
-    return [(b, adaptive, lookup, 0) for lookup in lookups for b, adaptive in trees] + \
-        [(b, adaptive, lookup, cap) for lookup in lookups if lookup for b, adaptive, cap in cut]
+    cut = [(b, cap) for cap, sizes in TREE_CAPS.items() for b in out if b.max_nodes in sizes]
+    return [ServedBudget(b, adaptive, lookup) for lookup in lookups for b, adaptive in trees] + \
+        [ServedBudget(b, False, lookup, cap) for lookup in lookups if lookup for b, cap in cut]
 
 
-def device_ladder(configured: DraftBudget, lookup: int) -> list[tuple[DraftBudget, bool, int, int]]:
-    """(budget, adaptive, lookup, max_tree) candidates of DEVICE_LADDER within the configured budget, with the
-    lookup branch; a cap the tree and branch cannot reach is none."""
+def device_ladder(configured: DraftBudget, lookup: int) -> list[ServedBudget]:
+    """DEVICE_LADDER's trees within the configured budget, with the lookup branch; a cap the tree and branch cannot
+    reach is none."""
     out = []
     for d, w, n, cap in DEVICE_LADDER:
-        c = (DraftBudget(depth=d, width=w, nodes=n), False, lookup, cap if cap < n + lookup else 0)
-        if d <= configured.depth and w <= configured.width and n <= configured.max_nodes and c not in out:
+        b = DraftBudget(depth=d, width=w, nodes=n)
+        c = ServedBudget(b, False, lookup, cap if cap < n + lookup else 0)
+        if b.fits(configured) and c not in out:
             out.append(c)
     return out
 
@@ -126,14 +122,13 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
     max_seq_len = max(map(len, prompts)) + new_tokens + configured.max_nodes + max(lookups) + 1
     cands = candidates(configured, lookups)
 
-    def engine(drafter, budget: DraftBudget, adaptive: bool, lookup: int, max_tree: int) -> Engine:
-        return Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, budget=budget, adaptive=adaptive,
-                                                    lookup=lookup, max_tree=max_tree, **engine_fields))
+    def engine(drafter, budget: ServedBudget) -> Engine:
+        return Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, **budget.engine_fields(), **engine_fields))
 
-    engines = [engine(new_drafter(), *c) for c in cands]
-    plain = engine(None, configured, False, 0, 0)
-    for e in [plain] + engines:  # warm-up: allocator, the tree-verify path (a few steps reach both)
-        e.generate(prompts[0], min(new_tokens, 16), SamplingParams(), None, stop_ids)
+    engines = [engine(new_drafter(), c) for c in cands]
+    plain = engine(None, ServedBudget(configured))
+    for e in tqdm([plain] + engines, desc="calibrate: warm up budgets", unit="budget", mininterval=1.0):
+        e.generate(prompts[0], min(new_tokens, 16), SamplingParams(), None, stop_ids)  # the tree-verify path too
 
     def run(i: int | None, ids: list[int]) -> tuple[float, int, int]:
         start = time.perf_counter()
@@ -147,23 +142,23 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
 
     totals, baseline = successive_halving(
         len(cands), prompts, run, lambda t, base: preference(row(t, base), min_tau, min_speedup, tau_margin))
-    sweep = [{**shape(c), **row(t, t["baseline"])} for c, t in zip(cands, totals)]
+    sweep = [{**c.to_dict(), **row(t, t["baseline"])} for c, t in zip(cands, totals)]
     ar_rate = baseline["new_tokens"] / baseline["seconds"]
     best = choose_budget([r for r in sweep if r["prompts"] == len(prompts)], min_tau, min_speedup, tau_margin)
-    chosen = {k: best[k] for k in SHAPE}
+    chosen = ServedBudget.from_dict(best)
 
-    def tau_row(c: tuple[DraftBudget, bool, int, int]) -> dict:
-        e, new, forwards = engine(new_drafter(), *c), 0, 0
+    def tau_row(c: ServedBudget) -> dict:
+        e, new, forwards = engine(new_drafter(), c), 0, 0
         for ids in prompts:
             g = e.generate(ids, new_tokens, SamplingParams(), None, stop_ids)
             new, forwards = new + len(g.tokens), forwards + g.metrics.target_forwards
-        return {**shape(c), "tau": tokens_per_forward(new, len(prompts), forwards), "prompts": len(prompts)}
+        return {**c.to_dict(), "tau": tokens_per_forward(new, len(prompts), forwards), "prompts": len(prompts)}
 
     # the chosen budget and bigger trees, tau on every prompt: a serving GPU times a step of each and chooses
-    ladder = [c for c in device_ladder(configured, max(lookups)) if shape(c) != chosen]
-    device = [{**chosen, "tau": best["tau"], "prompts": best["prompts"]}] + \
+    ladder = [c for c in device_ladder(configured, max(lookups)) if c != chosen]
+    device = [{**chosen.to_dict(), "tau": best["tau"], "prompts": best["prompts"]}] + \
         [tau_row(c) for c in tqdm(ladder, desc="calibrate: tau of device budgets", unit="budget", mininterval=1.0)]
-    report = {"chosen": chosen, "min_tau": min_tau, "min_speedup": min_speedup, "tau_margin": tau_margin,
+    report = {"chosen": chosen.to_dict(), "min_tau": min_tau, "min_speedup": min_speedup, "tau_margin": tau_margin,
               "tokens_per_s_ar": ar_rate,
               "dtype": str(target.dtype).removeprefix("torch."), "prompts": len(prompts),
               "prompts_per_round": PROMPTS_PER_ROUND, "new_tokens": new_tokens, "sweep": sweep,
@@ -174,27 +169,9 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
                "budget_nodes": float(best["nodes"]), "budget_lookup": float(best["lookup"]),
                "budget_tokens_per_s_ar": ar_rate}
     return ({"draft_budget": "draft_budget.json", "draft_budget_plot": "draft_budget.png"}, metrics,
-            f"draft budget {budget_label(best)}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
+            f"draft budget {chosen.label()}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
             + (")" if best["tau"] >= min_tau and best["speedup"] >= min_speedup else
                f"; none reaches tau {min_tau:.2f} at {min_speedup:.2f}x)"))
-
-
-SHAPE = ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")  # a budget's keys in draft_budget.json
-
-
-def shape(c: tuple[DraftBudget, bool, int, int]) -> dict:
-    """A (budget, adaptive, lookup, max_tree) candidate as draft_budget.json keys (SHAPE)."""
-    b, adaptive, lookup, cap = c
-    return {"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": adaptive, "lookup": lookup,
-            "max_tree": cap}
-
-
-def budget_label(b: dict) -> str:
-    """'2x2/4 + lookup 8 (corpus), cut to 5' for a budget dict (depth, width, nodes, adaptive, lookup, max_tree,
-    and where known lookup_corpus)."""
-    return f"{b['depth']}x{b['width']}/{b['nodes']}" + " adaptive" * b["adaptive"] \
-        + f" + lookup {b['lookup']}" * bool(b["lookup"]) + " (corpus)" * bool(b["lookup"] and b.get("lookup_corpus")) \
-        + f", cut to {b['max_tree']}" * bool(b["max_tree"])
 
 
 def plot_budgets(sweep: list[dict], device: list[dict], path: Path) -> Path:
@@ -205,7 +182,7 @@ def plot_budgets(sweep: list[dict], device: list[dict], path: Path) -> Path:
     widths = [max(6, 0.35 * len(sweep)), max(3, 0.5 * len(device))]
     fig = Figure(figsize=(sum(widths), 4))
     ax, tau_ax = fig.subplots(1, 2, width_ratios=widths)
-    labels = [budget_spec(r) + " adaptive" * r["adaptive"] for r in sweep]
+    labels = [ServedBudget.from_dict(r).spec + " adaptive" * r["adaptive"] for r in sweep]
     colors = [("tab:green" if r.get("lookup") else "tab:blue", "tab:olive" if r.get("lookup") else "tab:orange")
               [r["adaptive"]] for r in sweep]
     ax.bar(range(len(sweep)), [r["speedup"] for r in sweep], color=colors)
@@ -215,7 +192,7 @@ def plot_budgets(sweep: list[dict], device: list[dict], path: Path) -> Path:
            ylabel="speedup over our AR (x)",
            title="Draft budget: measured speedup")
     tau_ax.bar(range(len(device)), [r["tau"] for r in device], color=["tab:red"] + ["tab:purple"] * (len(device) - 1))
-    tau_ax.set_xticks(range(len(device)), [budget_spec(r) for r in device], fontsize="x-small", rotation=60,
+    tau_ax.set_xticks(range(len(device)), [ServedBudget.from_dict(r).spec for r in device], fontsize="x-small", rotation=60,
                       ha="right")
     tau_ax.set(ylabel="tau (tokens per target forward)", title="Device candidates (red: chosen here)")
     fig.savefig(path, dpi=100, bbox_inches="tight")

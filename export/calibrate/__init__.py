@@ -1,0 +1,1 @@
+"""Calibration: the measurements that turn a trained drafter into the settings a bundle serves with."""

@@ -1,0 +1,136 @@
+"""The calibrate stage: drafter weight quantisation chosen by measured tau (weights.py), KV-cache quantisation by
+measured perplexity, tau and decode speed (kv.py), the draft budget by measured speed (budget.py), and the SpecAttn
+layer map with its top-p (specattn.py, layer_map.py). Every phase measures in the runtime, as serving will run."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_file
+
+from export.calibrate.budget import calibrate_budget
+from export.calibrate.kv import calibrate_kv
+from export.calibrate.specattn import calibrate_specattn
+from export.calibrate.weights import calibrate_quant
+from runtime.budget import ServedBudget
+from runtime.bundle import KV_QUANT, kv_engine_fields
+from runtime.drafters import drafter_module, get_kind, served_drafter
+from runtime.model import Transformer
+from runtime.ngram import load_corpus
+from runtime.precision import float_dtype
+from runtime.tau_probe import TauProbe
+from train.data import TokenizedSet, prompts_from
+
+NOT_APPLICABLE = "not applicable"
+
+
+class CalibrateContext(Protocol):
+    """What calibrate needs of the stage context the pipeline runs it with (pipeline.stages.StageContext)."""
+    cfg: Any  # the run's pipeline.config.Config
+    out: Path
+
+    def input(self, stage: str) -> Path: ...
+    def load_target(self, max_seq_len: int = ..., precision: str = ...) -> Transformer: ...
+    def configured_budget(self) -> ServedBudget: ...
+    def stop_ids(self) -> tuple[int, ...]: ...
+    def tau_probe(self, prompts: list[list[int]], new_tokens: int) -> TauProbe: ...
+    def lookup_corpus_file(self) -> Path | None: ...
+    def result(self, outputs: dict, metrics: dict, message: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CalibrateSettings:
+    tau_prompts: int = 4
+    tau_new_tokens: int = 32
+    budget_prompts: int = 12  # the draft budget finalists run (successive halving); not validate's where val allows
+    budget_new_tokens: int = 0  # 0: validate's max_new_tokens (the lookup branch gains as a reply grows)
+    # the chosen budget's tau should clear validate.gate.min_tau by this fraction on these few prompts, so that it
+    # clears it on validate's prompts too
+    budget_tau_margin: float = 0.1
+
+
+SETTINGS = CalibrateSettings()
+
+
+def calibration_rows(ts: TokenizedSet, n: int, max_tokens: int) -> list[torch.Tensor]:
+    rows = [ts.row(i)[0][:max_tokens] for i in range(len(ts))]
+    rows = [r for r in rows if r.numel() >= 3][:n]  # a row needs two shared keys to say anything
+    if not rows:
+        raise ValueError(f"calibrate: no validation row has >= 3 tokens ({len(ts)} rows)")
+    return rows
+
+
+def budget_prompts(num_validate: int, val: TokenizedSet, s: CalibrateSettings) -> list[list[int]]:
+    """Validation prompts after the ones validate times (its first `num_validate`), so the budget is not chosen on
+    the prompts it is then judged on; the first ones when the split has no others."""
+    return prompts_from(val, num_validate + s.budget_prompts)[num_validate:] or prompts_from(val, s.budget_prompts)
+
+
+def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
+    distill = ctx.input("distill")
+    config = json.loads((distill / "drafter_config.json").read_text())
+    kind = get_kind(config["kind"])
+    if not kind.weighted:
+        (ctx.out / "quant.json").write_text(json.dumps({"chosen": NOT_APPLICABLE, "candidates": []}) + "\n")
+        return ctx.result({"quant": "quant.json"}, {},
+                          f"{kind.name} drafter has no weights: quantisation and layer map not applicable")
+    c, v = ctx.cfg.calibrate, ctx.cfg.validate
+    target = ctx.load_target()
+    tensors = load_file(str(distill / "drafter.safetensors"))
+    val = TokenizedSet.load(ctx.input("prepare") / "val.safetensors")
+    prompts = prompts_from(val, s.tau_prompts)
+    if not prompts:
+        raise ValueError("calibrate: the validation split has no row with a prompt before its assistant turn")
+    probe = ctx.tau_probe(prompts, s.tau_new_tokens)
+    quant = calibrate_quant(ctx.out, target, config, tensors, probe, list(c.weight_schemes), c.tau_tolerance)
+    outputs = {"quant": "quant.json"}
+    if quant["chosen"] != "fp32":
+        outputs["quant_weights"] = "quant.safetensors"
+    metrics = {"fp32_tau": quant["fp32_tau"], "quant_bytes_ratio": next(
+        (c["bytes"] / quant["fp32_bytes"] for c in quant["candidates"] if c["scheme"] == quant["chosen"]), 1.0)}
+    metrics.update({f"tau_{c['scheme']}": c["tau"] for c in quant["candidates"] if "tau" in c})
+    message = f"quant: {quant['chosen']} (fp32 tau {quant['fp32_tau']:.2f}); "
+
+    def drafter_on(t: Transformer, module):
+        return served_drafter(config, module, t, tensors)
+
+    model = drafter_module(config, target, tensors)
+    rows = calibration_rows(val, c.prompts, c.tokens)
+    # KV decode steps and draft budgets are timed in the precision validate and serving run: bf16 verifies a tree
+    # at relatively less cost than fp32 where it is fast, which moves the fastest budget
+    timed = target if float_dtype(v.precision, target.device) == target.dtype else ctx.load_target(
+        precision=v.precision)
+    timed_model = model if timed is target else drafter_module(config, timed, tensors)
+    kv_outputs, kv_metrics, kv_message = calibrate_kv(
+        ctx.out, target, drafter_on(target, model), rows, schemes=c.kv_schemes, recent=c.kv_recent,
+        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=probe, dense_tau=quant["fp32_tau"],
+        timed=timed, decode_context=min(c.tokens, timed.max_seq_len - 1),  # rows are cut to c.tokens: may be larger
+        max_slowdown=c.kv_max_slowdown)
+    outputs |= kv_outputs
+    metrics |= kv_metrics
+    message += kv_message + "; "
+    configured, corpus_file = ctx.configured_budget(), ctx.lookup_corpus_file()
+    engine_fields = kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text()))
+    if corpus_file is not None:  # the corpus export will ship, so the budget is timed drafting from it
+        engine_fields["lookup_corpus"] = load_corpus(corpus_file, configured.lookup)
+    budget_outputs, budget_metrics, budget_message = calibrate_budget(
+        ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, val, s),
+        configured.tree, s.budget_new_tokens or v.max_new_tokens, engine_fields, ctx.stop_ids(),
+        min_tau=v.gate.min_tau, min_speedup=v.gate.min_speedup, tau_margin=s.budget_tau_margin,
+        lookups=tuple(sorted({0, configured.lookup})))
+    outputs |= budget_outputs
+    metrics |= budget_metrics
+    message += budget_message + "; "
+    if kind.attends:
+        spec_outputs, spec_metrics, spec_message = calibrate_specattn(
+            ctx.out, target, kind, model, drafter_on(target, model), rows, dense_first=c.dense_first, top_p=c.top_p,
+            ppl_tolerance=c.ppl_tolerance, probe=probe)
+        outputs |= spec_outputs
+        metrics |= spec_metrics
+        message += spec_message
+    else:
+        message += f"SpecAttn not applicable (a {kind.name} drafter has no attention to select keys by)"
+    return ctx.result(outputs, metrics, message)

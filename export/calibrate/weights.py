@@ -1,0 +1,57 @@
+"""Drafter weight quantisation chosen by measured tau: only the drafter's weights are quantised, so the target's
+perplexity is unchanged; what a scheme can cost is acceptance, so each is judged by the tau it reaches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from runtime.drafters import drafter_module, served_drafter
+from runtime.model import Transformer
+from runtime.tau_probe import TauProbe
+from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
+
+
+def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def choose_scheme(candidates: list[dict], tolerance: float) -> str:
+    """The smallest stored scheme whose relative tau drop is within `tolerance`; "fp32" when none is."""
+    ok = [c for c in candidates if "tau_drop" in c and c["tau_drop"] <= tolerance]
+    return min(ok, key=lambda c: c["bytes"])["scheme"] if ok else "fp32"
+
+
+def calibrate_quant(out: Path, target: Transformer, config: dict, tensors: dict[str, torch.Tensor],
+                    probe: TauProbe, schemes: list[str], tolerance: float) -> dict:
+    """Measure tau for fp32 and each scheme, write quant.json (+ quant.safetensors unless fp32 wins) to `out`."""
+
+    def tau_of(weights: dict[str, torch.Tensor]) -> float:
+        return probe.measure(target, served_drafter(config, drafter_module(config, target, weights), target,
+                                                    weights))["tau"]
+
+    fp32_tau = tau_of(tensors)
+    candidates, packed = [], {}
+    for name in tqdm(schemes, desc="calibrate: drafter weight schemes", unit="scheme"):
+        scheme = QuantScheme.parse(name)
+        try:
+            packed[name] = quantize_state_dict(tensors, scheme)
+        except ValueError as e:  # e.g. an input dim that is not a multiple of the group size
+            candidates.append({"scheme": name, "skipped": str(e)})
+            continue
+        restored = dequantize_state_dict(packed[name], scheme, dtype=target.dtype)
+        tau = tau_of(restored)
+        candidates.append({"scheme": name, "tau": tau, "tau_drop": (fp32_tau - tau) / fp32_tau,
+                           "rel_error": max(relative_errors(tensors, restored).values(), default=0.0),
+                           "bytes": stored_bytes(packed[name])})
+    chosen = choose_scheme(candidates, tolerance)
+    report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": stored_bytes(tensors),
+              "tau_tolerance": tolerance, "tau_prompts": len(probe.prompts), "candidates": candidates,
+              "target_perplexity": "unchanged: only drafter weights are quantised"}
+    (out / "quant.json").write_text(json.dumps(report, indent=2) + "\n")
+    if chosen != "fp32":
+        save_file(packed[chosen], str(out / "quant.safetensors"), metadata={"scheme": chosen})
+    return report

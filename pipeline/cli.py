@@ -11,7 +11,7 @@ from rich.table import Table
 
 from pipeline.errors import DraftsmithError
 from runtime.bundle import BundleError
-from runtime.gpu_bench import add_arguments as add_random_weights_arguments, default_device
+from pipeline.bench.random_weights import add_arguments as add_random_weights_arguments, default_device
 from runtime.host_memory import keep_freed_memory
 
 console = Console(stderr=True)
@@ -47,9 +47,6 @@ def cmd_run(args) -> int:
             rec = store.record(stage.name)
             console.print(f"[dim]{stage.name}: up to date ({rec['status']}), skipped; --force reruns it[/]")
         else:
-            if not stage.implemented:
-                raise DraftsmithError(f"stage {stage.name} is not implemented yet (issue #{stage.issue}); "
-                                      f"the stages before it are done in {store.dir}")
             console.rule(stage.name)
             try:
                 with stage_run(cfg, store, stage.name, stage.sections):
@@ -88,7 +85,7 @@ def cmd_status(args) -> int:
         elif err:
             table.add_row(s.name, "[red]failed[/]", "", err["error"][:100])
         else:
-            table.add_row(s.name, "pending" if s.implemented else "[dim]not implemented[/]", "", "")
+            table.add_row(s.name, "pending", "", "")
     Console().print(table)
     return 0
 
@@ -146,61 +143,89 @@ def _bench_prompts(path: Path) -> list[str | list[int]]:
 DEVICE_BUDGET = "device"  # --budget: chosen by timing the bundle's device candidates (runtime.device_budget)
 
 
-def _budget(text: str) -> dict:
-    """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> EngineConfig fields (runtime.drafter.budget_fields)."""
-    from runtime.drafter import budget_fields
+def _budget(text: str | None):
+    """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> a ServedBudget; None for none or `device`."""
+    from runtime.budget import ServedBudget
 
+    if text is None or text == DEVICE_BUDGET:
+        return None
     try:
-        return budget_fields(text)
+        return ServedBudget.parse(text)
     except ValueError as e:
         raise DraftsmithError(f"--budget {e}") from None
+
+
+def _speculation(args):
+    """What `pipeline bench --drafter` names: a weightless kind, or a bundle (hashes and target checked first)."""
+    from pipeline.bench.harness import Speculation
+    from pipeline.sources import resolve_target, target_fingerprint
+    from runtime.budget import ServedBudget
+    from runtime.bundle import read_bundle
+    from runtime.device_budget import NEW_TOKENS
+    from runtime.drafters import get_kind, kind_names
+    from runtime.engine import Engine, EngineConfig
+    from runtime.served import ServedEngine, served_engine
+
+    budget, on_device = _budget(args.budget), args.budget == DEVICE_BUDGET
+    weightless = [k for k in kind_names() if not get_kind(k).weighted]
+    if args.drafter in weightless:
+        _needs_bundle(args)
+        budget = budget or ServedBudget()
+        kind, config = get_kind(args.drafter), {"kind": args.drafter}
+
+        def build(target, max_seq_len, _prompt):
+            new_drafter = lambda: kind.drafter(None, config, target, max_seq_len, None)  # noqa: E731
+            cfg = EngineConfig(max_seq_len=max_seq_len, **budget.engine_fields())
+            return ServedEngine(Engine(target, new_drafter(), cfg), budget, cfg, new_drafter)
+
+        return Speculation(args.drafter, budget.tree.max_nodes + budget.lookup, build)
+    if not Path(args.drafter).is_dir():  # before the target loads
+        raise DraftsmithError(f"--drafter {args.drafter}: expected {' or '.join(map(repr, weightless))} or a bundle "
+                              "directory")
+    bundle = read_bundle(args.drafter, target_fingerprint(resolve_target(args.target)))
+    candidates = [b for b, _ in bundle.device_candidates()] if on_device else []
+    if on_device and not candidates:
+        raise DraftsmithError(f"--budget device: bundle {args.drafter} lists no device candidates (calibrated "
+                              "before they were measured: rerun calibrate and export)")
+    served = [budget or bundle.served_budget(ServedBudget())] + candidates
+    longest = max(b.tree.max_nodes + b.lookup for b in served)
+    return Speculation(args.drafter, longest, lambda target, max_seq_len, prompt: served_engine(
+        bundle, target, max_seq_len, budget=budget, device_prompt=prompt if on_device else None,
+        specattn_top_p=args.specattn_top_p, graphed=False, new_tokens=min(NEW_TOKENS, args.max_new_tokens)))
+
+
+def _needs_bundle(args) -> None:
+    """--budget device and --specattn-top-p read a bundle's calibration."""
+    if args.budget == DEVICE_BUDGET:
+        raise DraftsmithError("--budget device needs a bundle (--drafter DIR) with calibrated device candidates")
+    if args.specattn_top_p is not None:
+        raise DraftsmithError("--specattn-top-p needs a bundle (--drafter DIR) with a SpecAttn layer map")
 
 
 def cmd_bench(args) -> int:
     import torch
 
+    from pipeline.bench.harness import default_bench_prompts, run_bench
     from pipeline.home import write_json_atomic
-    from pipeline.sources import resolve_target, target_fingerprint
-    from runtime.bench import default_bench_prompts, ngram_drafter_factory, run_bench
-    from runtime.bundle import read_bundle
-    from runtime.drafter import DraftBudget
-    from runtime.drafters import build_drafter
+    from pipeline.sources import resolve_target
     from runtime.precision import float_dtype
 
-    if args.random_weights:  # issue #8: random weights of a named shape, e.g. on a GPU without a checkpoint
-        from runtime.gpu_bench import bench_from_args
+    if args.random_weights:  # random weights of a named shape, e.g. on a GPU without a checkpoint
+        from pipeline.bench.random_weights import bench_from_args
 
         write_json_atomic(Path(args.out), bench_from_args(args))
         console.print(f"wrote {args.out}")
         return 0
+    _budget(args.budget)  # a malformed spec is an error whatever else is given
+    if args.drafter is None:
+        _needs_bundle(args)
     prompts = _bench_prompts(Path(args.prompts)) if args.prompts else default_bench_prompts()
-    if args.drafter not in (None, "ngram") and not Path(args.drafter).is_dir():  # before the target loads
-        raise DraftsmithError(f"--drafter {args.drafter}: expected 'ngram' or a bundle directory")
+    speculation = _speculation(args) if args.drafter is not None else None
     target_dir = resolve_target(args.target)
-    factory = ngram_drafter_factory
-    on_device = args.budget == DEVICE_BUDGET
-    chosen = _budget(args.budget) if args.budget and not on_device else None
-    default = DraftBudget(depth=5)  # ngram and bundles without a calibrated budget, unless --budget
-    fields, candidates = chosen or {"budget": default}, []
-    if args.drafter not in (None, "ngram"):  # a bundle: verified (hashes, target fingerprint) before any load
-        bundle = read_bundle(args.drafter, target_fingerprint(target_dir))
-        factory = lambda spec, target: build_drafter(bundle, target, target.max_seq_len + 64)  # noqa: E731
-        fields = bundle.engine_settings(default, chosen)  # as serving runs it, unless --budget
-        if args.specattn_top_p is not None:
-            fields = {k: v for k, v in fields.items() if k != "sparse"} | bundle.sparse_settings(args.specattn_top_p)
-        candidates = bundle.device_candidates(fields) if on_device else []
-        if on_device and not candidates:
-            raise DraftsmithError(f"--budget device: bundle {args.drafter} lists no device candidates (calibrated "
-                                  "before they were measured: rerun calibrate and export)")
-    elif on_device:
-        raise DraftsmithError("--budget device needs a bundle (--drafter DIR) with calibrated device candidates")
-    elif args.specattn_top_p is not None:
-        raise DraftsmithError("--specattn-top-p needs a bundle (--drafter DIR) with a SpecAttn layer map")
     device = torch.device(default_device(args.device))
-    report = run_bench(target_dir, args.drafter, prompts, args.max_new_tokens, args.temperature,
+    report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature,
                        dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
-                       device=str(device), graphs=not args.no_graphs, engine_fields=fields, drafter_factory=factory,
-                       compiled=args.compile, device_candidates=candidates)
+                       device=str(device), graphs=not args.no_graphs, compiled=args.compile)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0
@@ -240,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="HF generate vs our autoregressive vs our speculative, same prompts")
     b.add_argument("--target", default="smollm2-135m-instruct")
-    b.add_argument("--drafter", help="'ngram' or a bundle directory (omit: no speculative row)")
+    b.add_argument("--drafter", help="a bundle directory, or a drafter kind without weights (ngram); omit: no "
+                   "speculative row")
     b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a string 'prompt' or token 'ids' "
                    "(validate writes its prompts so: runs/<id>/validate/prompts.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128)

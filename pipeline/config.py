@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.errors import DraftsmithError
 from runtime.precision import PRECISIONS
@@ -40,7 +40,7 @@ class DataCfg(Section):
 
 
 class DrafterCfg(Section):
-    kind: Literal["eagle", "medusa", "lm", "ngram"] = "eagle"
+    kind: str = "eagle"  # a module of runtime/drafters
     draft_vocab: int = Field(8192, ge=0)  # reduced draft vocabulary (most frequent train tokens); 0 = full
     medusa_heads: int = Field(4, ge=1)
     max_ngram: int = Field(4, ge=1)  # ngram drafter: longest suffix matched
@@ -53,6 +53,16 @@ class DrafterCfg(Section):
     lm_init: Literal["target", "random"] = "target"  # lm: start from the target's embeddings and first layers
     lm_base: str | None = None  # lm: an existing small causal LM (HF dir or hub id) to LoRA-tune instead
     lora_rank: int = Field(16, ge=1)  # lm_base: peft LoRA rank
+
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        from runtime.drafters import kind_names
+
+        if kind not in kind_names():
+            raise ValueError(f"expected one of {', '.join(kind_names())}")
+        return kind
 
 
 class DistillCfg(Section):

@@ -12,14 +12,12 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.distill import corpus_spans
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
-from pipeline.stages import StageContext
+from pipeline.stages import StageContext, sections_through
 from runtime.bundle import CONFIG, LOOKUP_CORPUS, WEIGHTS, read_bundle
-from runtime.drafters import WEIGHT_QUANT
-from runtime.ngram import save_corpus
+from runtime.drafters import WEIGHT_QUANT, get_kind
 
 BUNDLE_DIR = "bundle"
 CALIBRATION_SUFFIXES = (".json", ".png")  # calibrate's reports (layer_map.json, quant.json, plots)
@@ -75,12 +73,12 @@ def data_digest(store: RunStore) -> str:
 
 def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path) -> dict:
     """Export the bundle's drafter step to `out` and check it against onnxruntime; raise if parity fails."""
-    from export.onnx_export import KINDS, check_onnx_parity, example_inputs, export_onnx
+    from export.onnx_export import check_onnx_parity, example_inputs, export_onnx
     from runtime.drafters import bundle_weights, drafter_module
     from runtime.model import Transformer
 
     bundle = read_bundle(bundle_dir, fingerprint)
-    if bundle.kind not in KINDS:
+    if not get_kind(bundle.kind).onnx_inputs:
         raise DraftsmithError(f"export.onnx: drafter kind {bundle.kind!r} has no ONNX step (set export.onnx=false)")
     target = Transformer.from_pretrained(target_dir, max_seq_len=64)
     # the trained module as the bundle reader rebuilds it, before the runtime prepacks its weights for CPU
@@ -104,24 +102,22 @@ def run_export(ctx: StageContext) -> StageResult:
 
     distill = ctx.input("distill")
     drafter_config = json.loads((distill / CONFIG).read_text())
-    tensors = load_file(str(distill / WEIGHTS)) if (distill / WEIGHTS).is_file() else None  # ngram: none
-    if tensors is None and drafter_config.get("kind") != "ngram":
-        raise DraftsmithError(f"export: {distill / WEIGHTS} is missing for a {drafter_config.get('kind')!r} drafter")
+    tensors = load_file(str(distill / WEIGHTS)) if (distill / WEIGHTS).is_file() else None  # weightless: none
+    if tensors is None and get_kind(drafter_config["kind"]).weighted:
+        raise DraftsmithError(f"export: {distill / WEIGHTS} is missing for a {drafter_config['kind']!r} drafter")
     quantised = quantised_weights(ctx.store)
     if quantised is not None:  # the bundle carries the codes calibrate measured; the reader restores them
         drafter_config[WEIGHT_QUANT], tensors = quantised
     fingerprint = target_fingerprint(ctx.target_dir)
-    d = ctx.cfg.drafter
     extra_files = calibration_files(ctx.store)
-    spans = corpus_spans(ctx)
-    if spans is not None:  # written beside the bundle, copied in by write_bundle, removed below
-        extra_files[LOOKUP_CORPUS] = ctx.out / LOOKUP_CORPUS
-        vocab_size = json.loads((ctx.target_dir / "config.json").read_text())["vocab_size"]
-        save_corpus(extra_files[LOOKUP_CORPUS], spans, vocab_size)
-    extra_manifest = {"draft_budget": {"depth": d.depth, "width": d.width, "nodes": d.nodes}}
+    corpus = ctx.lookup_corpus_file()
+    if corpus is not None:  # distill's, as it drafted from it
+        extra_files[LOOKUP_CORPUS] = corpus
+    extra_manifest = {"draft_budget": ctx.configured_budget().to_dict()}
     bundle_dir = ctx.out / BUNDLE_DIR
     lineage = dict(target_fingerprint=fingerprint, data_digest=data_digest(ctx.store),
-                   config=ctx.cfg.model_dump(mode="json"), code_version=code_version())
+                   config=ctx.cfg.model_dump(mode="json", include=set(sections_through("export"))),
+                   code_version=code_version())
 
     def write(files: dict[str, Path], manifest: dict) -> dict:
         return write_bundle(bundle_dir, drafter_config, tensors, extra_files=files, extra_manifest=manifest, **lineage)
@@ -136,8 +132,5 @@ def run_export(ctx: StageContext) -> StageResult:
         manifest = write({**extra_files, ONNX_FILE: scratch}, {**extra_manifest, "onnx": onnx_record})
         scratch.unlink()
         metrics |= {"bundle_files": len(manifest["files"]), "onnx_max_rel_diff": onnx_record["parity"]["max_rel_diff"]}
-    if spans is not None:
-        extra_files[LOOKUP_CORPUS].unlink()
-        metrics["lookup_corpus_tokens"] = sum(s.numel() for s in spans)
     return StageResult(outputs={"bundle": BUNDLE_DIR, "manifest": f"{BUNDLE_DIR}/manifest.json"}, metrics=metrics,
                        message=f"{drafter_config['kind']} bundle: {', '.join(sorted(manifest['files']))}")

@@ -32,12 +32,9 @@ def run_prepare(ctx: StageContext) -> StageResult:
     for split in SPLITS:
         if d.regenerate or d.cache_hidden:
             if target is None:
-                from pipeline.distill import load_target
-
-                # bf16 where it is fast: the target pass is almost all of prepare's time (regeneration 1.8x faster
-                # on the 2-core AMX CI kind); the drafter then learns the bf16 target, which differs from fp32's
-                # in rare near-ties only
-                target = load_target(ctx, max_seq_len=d.max_length, precision=d.precision)
+                # bf16 where it is fast: the target pass is almost all of prepare's time; the drafter then learns
+                # the bf16 target, which differs from fp32's in rare near-ties only
+                target = ctx.load_target(max_seq_len=d.max_length, precision=d.precision)
             rows, features, why = target_pass(ctx, target, tok, splits[split], work_dir(ctx) / split)
             dropped.update({f"{split}_{k}": v for k, v in why.items()})
         else:
@@ -66,7 +63,7 @@ def work_dir(ctx: StageContext) -> Path:
 def target_pass(ctx: StageContext, target, tokenizer, conversations: list[list[dict]], work: Path):
     """Regenerate `conversations` and/or cache the target's features for them; resumable in `work`.
     Returns (rows, features or None, dropped counts by reason)."""
-    from runtime.bench import stop_ids
+    from runtime.tokens import stop_ids
     from runtime.sampling import SamplingParams
     from train.data import TokenizedSet, tokenize_rows
     from train.regenerate import RegenSettings, cache_features, regenerate

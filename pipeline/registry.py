@@ -88,6 +88,11 @@ def _serving_target(spec: str) -> str:
     return str(p.resolve()) if p.exists() else spec
 
 
+def served_budget(report: dict) -> dict:
+    """The draft budget the bundle serves, as validate ran it (runtime.budget.ServedBudget's keys)."""
+    return {k: report["budget"][k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
+
+
 def register_bundle(cfg: Config, store: RunStore):
     """Log the run's validated bundle as a pyfunc model, register it, point `candidate` at it.
 
@@ -114,8 +119,7 @@ def register_bundle(cfg: Config, store: RunStore):
         info = mlflow.pyfunc.log_model(
             name=MODEL_ARTIFACT, python_model=str(SERVING_MODEL), artifacts={"bundle": str(validated.bundle_dir)},
             model_config={"target": _serving_target(cfg.target), "max_new_tokens": cfg.validate.max_new_tokens,
-                          "budget": {"depth": cfg.drafter.depth, "width": cfg.drafter.width,
-                                     "nodes": cfg.drafter.nodes},  # the draft tree budget validate measured
+                          "budget": served_budget(validated.report),  # the draft budget validate measured
                           "precision": cfg.validate.precision},  # and the precision it measured in
             signature=pyfunc_signature(), pip_requirements=[f"mlflow=={mlflow.__version__}"])
         version = mlflow.register_model(info.model_uri, name, tags=tags)

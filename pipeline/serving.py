@@ -46,15 +46,6 @@ def budget_source(device) -> str:
     return name
 
 
-def serving_config(fields: dict, max_seq_len: int, device):
-    """The engine config serving runs a bundle with (`fields`: Bundle.engine_settings). On CUDA every verify and
-    greedy draft step is a CUDA graph (EngineConfig.static_verify: 491 tok/s on an H200 where the eager engine made
-    96, the same bundle in bf16; docs/gpu.md), which needs a full-precision KV cache: a calibrated KV scheme is left
-    out there."""
-    from runtime.bench import served_config
-
-    return served_config(fields, max_seq_len, graphed=device.type == "cuda")
-
 def pyfunc_signature():
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
@@ -78,15 +69,15 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from transformers import AutoTokenizer
 
+        from pipeline.bench.harness import default_bench_prompts
         from pipeline.sources import resolve_target, target_fingerprint
-        from runtime.bench import default_bench_prompts, stop_ids
+        from runtime.budget import ServedBudget
         from runtime.bundle import read_bundle
-        from runtime.device_budget import choose_on_device, describe
-        from runtime.drafter import DraftBudget
-        from runtime.drafters import build_drafter
-        from runtime.engine import Engine
+        from runtime.device_budget import describe
         from runtime.model import Transformer
         from runtime.precision import float_dtype
+        from runtime.served import served_engine
+        from runtime.tokens import stop_ids
 
         settings = context.model_config
         target_dir = resolve_target(settings["target"])
@@ -97,25 +88,20 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         dtype = float_dtype(settings.get("precision", "fp32"), device)
         target = Transformer.from_pretrained(target_dir, dtype=dtype, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        max_len = target.max_seq_len  # serve the target's whole context
-        fields = bundle.engine_settings(DraftBudget(**settings["budget"]))
-        candidates = bundle.device_candidates(fields) if budget_source(device) == "device" else []
-        if candidates:
-            best, report = choose_on_device(target, lambda: build_drafter(bundle, target, max_len), candidates,
-                                            self._prompt_ids(default_bench_prompts()[0]),
-                                            lambda f: serving_config(f, max_len, device))
-            fields = candidates[best][1]
-            print(describe(report), file=sys.stderr)
-        engine_cfg = serving_config(fields, max_len, device)
-        self.engine = Engine(target, build_drafter(bundle, target, max_len), engine_cfg)
+        on_device = budget_source(device) == "device"
+        served = served_engine(bundle, target, target.max_seq_len, fallback=ServedBudget.from_dict(settings["budget"]),
+                               device_prompt=self._prompt_ids(default_bench_prompts()[0]) if on_device else None)
+        if served.device_report is not None:
+            print(describe(served.device_report), file=sys.stderr)
+        self.engine = served.engine  # the target's whole context
         self.stop_ids = stop_ids(self.tokenizer)
         self.max_new_tokens = int(settings["max_new_tokens"])  # a row without max_new_tokens gets validate's
         self.lock = threading.Lock()  # one engine, one KV cache: requests take turns
 
     def _prompt_ids(self, prompt: str) -> list[int]:
-        from runtime.bench import encode
+        from runtime.tokens import encode
 
-        return encode(self.tokenizer, prompt, chat_template=True)  # the same encoding the benchmark measures
+        return encode(self.tokenizer, prompt)  # the same encoding the benchmark measures
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         from runtime.sampling import SamplingParams

@@ -14,6 +14,8 @@ from pipeline.runstore import RunStore, StageResult
 
 @dataclass
 class StageContext:
+    """What a stage runs with: the run's config and store, its temp output dir, and the helpers stages share."""
+
     cfg: Config
     store: RunStore
     out: Path  # the stage's temp dir; renamed into place when the stage returns
@@ -29,17 +31,52 @@ class StageContext:
         """An earlier stage's finished output dir (the graph already checked it exists)."""
         return self.store.stage_dir(stage)
 
+    def load_target(self, max_seq_len: int = 2048, precision: str = "fp32"):
+        """The target on the CPU; precision auto|fp32|bf16 (runtime.precision: auto is bf16 where bf16 is fast)."""
+        import torch
+
+        from runtime.model import Transformer
+        from runtime.precision import float_dtype
+
+        return Transformer.from_pretrained(self.target_dir, max_seq_len=max_seq_len,
+                                           dtype=float_dtype(precision, torch.device("cpu")))
+
+    def configured_budget(self):
+        """The largest draft budget the run allows (drafter.depth/width/nodes and its lookup branch)."""
+        from runtime.budget import DraftBudget, ServedBudget
+
+        d = self.cfg.drafter
+        return ServedBudget(DraftBudget(depth=d.depth, width=d.width, nodes=d.nodes), lookup=d.lookup)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where the target's generation ends, as HF `generate` stops for it."""
+        from runtime.tokens import generation_stop_ids
+
+        return generation_stop_ids(self.target_dir)
+
+    def tau_probe(self, prompts: list[list[int]], new_tokens: int):
+        """How distill and calibrate measure real tau: the configured tree, greedy, ending at end of turn."""
+        from runtime.tau_probe import TauProbe
+
+        return TauProbe(prompts, self.configured_budget().tree, new_tokens, self.stop_ids())
+
+    def result(self, outputs: dict, metrics: dict, message: str) -> StageResult:
+        """A completed stage's result, for stages in the layers below (export.calibrate)."""
+        return StageResult(outputs=outputs, metrics=metrics, message=message)
+
+    def lookup_corpus_file(self) -> Path | None:
+        """The lookup branch's corpus distill wrote (the target's answers in the training rows); None without."""
+        from runtime.bundle import LOOKUP_CORPUS
+
+        path = self.input("distill") / LOOKUP_CORPUS
+        return path if path.is_file() else None
+
 
 @dataclass(frozen=True)
 class Stage:
     name: str
-    sections: tuple[str, ...]  # config sections whose values feed the inputs digest
-    impl: str | None  # "module:function" taking a StageContext; None: not implemented yet
-    issue: int
-
-    @property
-    def implemented(self) -> bool:
-        return self.impl is not None
+    sections: tuple[str, ...]  # config sections it reads (beside those of every stage before it)
+    impl: str  # "module:function" taking a StageContext
 
     def run(self, ctx: StageContext) -> StageResult:
         # imported only when the stage runs: `pipeline status` and the DAG never pay for torch/mlflow imports
@@ -48,13 +85,13 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", ("target", "data"), "pipeline.prepare:run_prepare", 4),
-    Stage("distill", ("drafter", "distill"), "pipeline.distill:run_distill", 4),
-    Stage("calibrate", ("calibrate",), "pipeline.calibrate:run_calibrate", 5),
-    Stage("export", ("export",), "pipeline.export_stage:run_export", 6),
-    Stage("validate", ("validate", "run"), "pipeline.validate:run_validate", 6),
-    Stage("register", ("register",), "pipeline.registry:run_register", 7),
-    Stage("promote", ("promote",), "pipeline.registry:run_promote", 7),
+    Stage("prepare", ("target", "data", "run"), "pipeline.prepare:run_prepare"),
+    Stage("distill", ("drafter", "distill"), "pipeline.distill:run_distill"),
+    Stage("calibrate", ("calibrate", "validate"), "export.calibrate.stage:run_calibrate"),
+    Stage("export", ("export",), "pipeline.export_stage:run_export"),
+    Stage("validate", ("validate", "run"), "pipeline.validate:run_validate"),
+    Stage("register", ("register",), "pipeline.registry:run_register"),
+    Stage("promote", ("promote",), "pipeline.registry:run_promote"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -69,6 +106,12 @@ def get_stage(name: str) -> Stage:
 def previous(stage: Stage) -> Stage | None:
     i = STAGES.index(stage)
     return STAGES[i - 1] if i else None
+
+
+def sections_through(name: str) -> tuple[str, ...]:
+    """The config sections a stage's digest covers: its own and those of every stage before it."""
+    stages = STAGES[:STAGES.index(get_stage(name)) + 1]
+    return tuple(dict.fromkeys(section for stage in stages for section in stage.sections))
 
 
 def inputs_digest(stage: Stage, cfg: Config, store: RunStore) -> str:

@@ -20,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from pipeline.budget_calibration import budget_label
 from pipeline.config import GateCfg
 from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, write_json_atomic
@@ -63,8 +62,8 @@ class Timed:
 def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params: SamplingParams,
                  seed: int, repeats: int = 1) -> dict[str, Timed]:
     """Every method over all prompts, the methods back to back on each prompt, the fastest of `repeats` runs of
-    each (runtime.bench.interleaved)."""
-    from runtime.bench import interleaved
+    each (pipeline.bench.harness.interleaved)."""
+    from pipeline.bench.harness import interleaved
 
     outputs = {name: [] for name in methods}
     seconds = dict.fromkeys(methods, 0.0)
@@ -110,26 +109,22 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.distill import draft_budget, load_target
+    from pipeline.bench.harness import device_name, hf_generate
     from pipeline.sources import target_fingerprint
-    from runtime.bench import device_name, generation_stop_ids, hf_generate
     from runtime.bundle import read_bundle
-    from runtime.drafters import build_drafter
-    from runtime.engine import EngineConfig
+    from runtime.drafters import get_kind
+    from runtime.served import served_engine
 
     bundle = read_bundle(ctx.input("export") / "bundle", target_fingerprint(ctx.target_dir))  # refuses tampering
-    v, configured = ctx.cfg.validate, draft_budget(ctx)
-    settings = bundle.engine_settings(configured)  # serving's settings
-    budget = settings["budget"]
-    lookup = ctx.cfg.drafter.lookup
-    max_seq_len = max(map(len, prompts)) + v.max_new_tokens + max(budget.max_nodes, configured.max_nodes + lookup) + 1
-    target = load_target(ctx, max_seq_len, v.precision)
+    v, configured = ctx.cfg.validate, ctx.configured_budget()
+    served_budget = bundle.served_budget(configured)
+    longest = max(served_budget.tree.max_nodes, configured.tree.max_nodes + configured.lookup)
+    max_seq_len = max(map(len, prompts)) + v.max_new_tokens + longest + 1
+    target = ctx.load_target(max_seq_len, v.precision)
     hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
-    stop_ids = generation_stop_ids(ctx.target_dir)
-    engine_cfg = EngineConfig(max_seq_len=max_seq_len, **settings)
-    drafter = build_drafter(bundle, target, max_seq_len)
-    ar_cfg = replace(engine_cfg, sparse=None)  # the baseline reads every key
-    engines = {"spec": Engine(target, drafter, engine_cfg), "ar": Engine(target, None, ar_cfg)}
+    stop_ids = ctx.stop_ids()
+    served = served_engine(bundle, target, max_seq_len, fallback=configured)  # what serving runs on this device
+    engines = {"spec": served.engine, "ar": served.plain()}
 
     def ours(engine: Engine) -> Generate:
         def run(ids, params, gen):
@@ -139,15 +134,13 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
 
     methods: dict[str, Generate] = {name: ours(e) for name, e in engines.items()}
     methods["hf"] = lambda ids, params, gen: (hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen), None)
-    if bundle.kind == "lm":  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
-        from runtime.hf_weights import hf_causal_lm
-
-        assistant = hf_causal_lm(drafter.model)
+    assistant = get_kind(bundle.kind).hf_assistant(served.engine.drafter)
+    if assistant is not None:  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
         methods[ASSISTED] = lambda ids, params, gen: (
             hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, assistant=assistant), None)
-    if engines["spec"].lookup is not None:  # the engine drafts with the lookup branch
+    if served.engine.lookup is not None:  # the engine drafts with the lookup branch
         methods[LOOKUP] = lambda ids, params, gen: (
-            hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, prompt_lookup=engine_cfg.lookup), None)
+            hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, prompt_lookup=served.budget.lookup), None)
     for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
@@ -155,23 +148,28 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
              for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
-    corpus = engine_cfg.lookup_corpus if engine_cfg.lookup == lookup else bundle.lookup_corpus(lookup)  # ~220 MB
-    full_cfg = replace(engine_cfg, budget=configured, adaptive=False, lookup=lookup, max_tree=0, lookup_corpus=corpus)
-    full = Engine(target, build_drafter(bundle, target, max_seq_len), full_cfg)
+    full = served_engine(bundle, target, max_seq_len, budget=configured).engine
     configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed)["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": budget_dict(engines["spec"]), "timed": timed,
-            "sparse": None if engine_cfg.sparse is None else asdict(engine_cfg.sparse),
+            "sparse": None if served.engine.cfg.sparse is None else asdict(served.engine.cfg.sparse),
             "configured_tree": {"budget": budget_dict(full), "timed": configured_tree}}
 
 
 def budget_dict(engine: Engine) -> dict:
-    """The draft budget `engine` runs, its lookup branch as the engine uses it (an ngram drafter has none), and
+    """The draft budget `engine` runs (its lookup branch as the engine uses it: a weightless drafter has none), and
     whether the branch drafts from a corpus."""
-    cfg, b = engine.cfg, engine.cfg.budget
-    return {"depth": b.depth, "width": b.width, "nodes": b.max_nodes, "adaptive": cfg.adaptive,
-            "lookup": cfg.lookup if engine.lookup is not None else 0, "max_tree": cfg.max_tree,
-            "lookup_corpus": engine.lookup is not None and engine.lookup.corpus is not None}
+    from runtime.budget import ServedBudget
+
+    budget = ServedBudget.of(engine.cfg)
+    lookup = budget.lookup if engine.lookup is not None else 0
+    return {**budget.to_dict(), "lookup": lookup, "lookup_corpus": bool(lookup) and engine.lookup.corpus is not None}
+
+
+def budget_label(budget: dict) -> str:
+    from runtime.budget import ServedBudget
+
+    return ServedBudget.from_dict(budget).label(budget.get("lookup_corpus", False))
 
 
 def lossy_prompts(spec: Timed, ar: Timed) -> int:

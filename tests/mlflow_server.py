@@ -92,7 +92,9 @@ def validated_run(cfg, run_id: str, speedup: float, *, validation_digest: str = 
         metrics = {"tau": 2.0, "speedup": speedup, "speedup_hf": speedup * 1.1, "tokens_per_s": 40.0 * speedup,
                    "lossless": True, "acceptance": {"depth1": 0.7}}
         gate = {"passed": passed, "reasons": [] if passed else ["speedup 0.9 < min_speedup 1.0"]}
-        write_json_atomic(out / "report.json", {"metrics": metrics, "gate": gate,
+        budget = {"depth": 3, "width": 1, "nodes": 3, "adaptive": False, "lookup": 0, "max_tree": 0,
+                  "lookup_corpus": False}  # what validate ran, as it reports it
+        write_json_atomic(out / "report.json", {"metrics": metrics, "gate": gate, "budget": budget,
                                                 "validation_digest": validation_digest})
         return StageResult(status="completed" if passed else "gate_failed", metrics={"speedup": speedup})
 

@@ -5,7 +5,7 @@ import torch
 
 from export.bundle import write_bundle
 from runtime.bundle import BundleError, read_bundle
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget, ServedBudget
 from runtime.engine import EngineConfig
 
 
@@ -94,19 +94,22 @@ def test_kv_settings_follow_calibrate_choice(tmp_path, chosen, expected):
     EngineConfig(**settings)  # what validate and serving build their engines with
 
 
-def test_engine_settings_take_the_calibrated_budget(tmp_path):
-    configured = DraftBudget(depth=6, width=4, nodes=24)
+def test_the_served_budget_is_the_calibrated_one_with_its_engine_fields(tmp_path):
+    configured = ServedBudget(DraftBudget(depth=6, width=4, nodes=24), lookup=16)
     report = {"chosen": {"depth": 2, "width": 2, "nodes": 4, "adaptive": False, "lookup": 8}, "sweep": []}
     (tmp_path / "draft_budget.json").write_text(json.dumps(report))
     (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int4", "recent": 16, "candidates": []}))
     for name, extra in (("with", {n: tmp_path / n for n in ("draft_budget.json", "kv_quant.json")}), ("without", {})):
         write_bundle(tmp_path / name, {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp",
                      data_digest="dd", config={}, code_version="test", extra_files=extra)
-    calibrated = read_bundle(tmp_path / "with").engine_settings(configured)
-    assert calibrated == {"budget": DraftBudget(depth=2, width=2, nodes=4), "adaptive": False, "lookup": 8,
-                          "max_tree": 0, "kv_scheme": "int4", "kv_recent": 16}  # max_tree: none chosen (older)
-    assert read_bundle(tmp_path / "without").engine_settings(configured) == {"budget": configured}
-    assert EngineConfig(**calibrated).budget.max_nodes == 4  # what validate and serving build their engines with
+    calibrated = read_bundle(tmp_path / "with")
+    budget = calibrated.served_budget(configured)
+    assert budget == ServedBudget(DraftBudget(depth=2, width=2, nodes=4), lookup=8)  # max_tree: none (older)
+    assert calibrated.engine_fields(budget) == {"budget": DraftBudget(2, 2, 4), "adaptive": False, "lookup": 8,
+                                                "max_tree": 0, "kv_scheme": "int4", "kv_recent": 16}
+    assert read_bundle(tmp_path / "without").served_budget(configured) == configured
+    assert read_bundle(tmp_path / "without").engine_fields(configured) == configured.engine_fields()
+    assert EngineConfig(**calibrated.engine_fields(budget)).budget.max_nodes == 4  # what the served engine runs
 
 
 def test_engine_settings_verify_sparsely_only_where_calibrate_chose_a_top_p_below_one(tmp_path):
@@ -116,9 +119,9 @@ def test_engine_settings_verify_sparsely_only_where_calibrate_chose_a_top_p_belo
         (tmp_path / "specattn.json").write_text(SpecAttnConfig((-1, 0, 0), top_p, dense_first=1).to_json())
         write_bundle(tmp_path / f"p{top_p}", {"kind": "eagle"}, None, target_fingerprint="fp", data_digest="dd",
                      config={}, code_version="test", extra_files={"specattn.json": tmp_path / "specattn.json"})
-    assert read_bundle(tmp_path / "p0.7").engine_settings(DraftBudget(3))["sparse"] == SpecAttnConfig(
+    assert read_bundle(tmp_path / "p0.7").engine_fields(ServedBudget())["sparse"] == SpecAttnConfig(
         (-1, 0, 0), 0.7, dense_first=1)
-    assert "sparse" not in read_bundle(tmp_path / "p1.0").engine_settings(DraftBudget(3))  # every key: dense
+    assert "sparse" not in read_bundle(tmp_path / "p1.0").engine_fields(ServedBudget())  # every key: dense
     # pipeline bench --specattn-top-p: the bundle's layer map at another top-p
     assert read_bundle(tmp_path / "p1.0").sparse_settings(0.5)["sparse"] == SpecAttnConfig((-1, 0, 0), 0.5, 1)
     assert read_bundle(tmp_path / "p0.7").sparse_settings(1.0) == {}
@@ -141,35 +144,37 @@ def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_dra
         extra = {n: tmp_path / n for n in ("draft_budget.json", "lookup_corpus.safetensors")}
         write_bundle(tmp_path / f"b{lookup}", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp",
                      data_digest="dd", config={}, code_version="test", extra_files=extra)
-    corpus = read_bundle(tmp_path / "b8").engine_settings(DraftBudget(depth=6))["lookup_corpus"]
+    b8, b0 = read_bundle(tmp_path / "b8"), read_bundle(tmp_path / "b0")
+    corpus = b8.engine_fields(b8.served_budget(ServedBudget()))["lookup_corpus"]
     assert corpus.vocab_size == 100 and corpus.max_depth == 8 and corpus._node_of([5, 6]) is not None
-    assert "lookup_corpus" not in read_bundle(tmp_path / "b0").engine_settings(DraftBudget(depth=6))  # no branch
-    bench = {"budget": DraftBudget(2, 1, 2), "adaptive": False, "lookup": 4, "max_tree": 0}  # pipeline bench --budget
-    assert read_bundle(tmp_path / "b0").engine_settings(DraftBudget(depth=6), bench)["lookup_corpus"].max_depth == 4
-    assert "lookup_corpus" not in read_bundle(tmp_path / "b8").engine_settings(DraftBudget(6), bench | {"lookup": 0})
+    assert "lookup_corpus" not in b0.engine_fields(b0.served_budget(ServedBudget()))  # no branch
+    bench = ServedBudget.parse("2x1/2+4")  # pipeline bench --budget
+    assert b0.engine_fields(bench)["lookup_corpus"].max_depth == 4
+    assert "lookup_corpus" not in b8.engine_fields(ServedBudget.parse("2x1/2"))
 
 
-def test_device_candidates_carry_each_budget_its_lookup_corpus_and_the_other_settings(tmp_path):
+def test_device_candidates_are_the_budgets_calibrate_measured_tau_for(tmp_path):
     from runtime.ngram import save_corpus
 
     save_corpus(tmp_path / "lookup_corpus.safetensors", [torch.tensor([5, 6, 7, 8])], vocab_size=100)
+    (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int8", "recent": 16, "candidates": []}))
     chosen = {"depth": 1, "width": 3, "nodes": 3, "adaptive": True, "lookup": 0, "max_tree": 0}
     wide = {"depth": 4, "width": 2, "nodes": 8, "adaptive": False, "lookup": 8, "max_tree": 15}
     report = {"chosen": chosen, "sweep": [], "device_candidates": [chosen | {"tau": 2.1}, wide | {"tau": 3.4}]}
     (tmp_path / "draft_budget.json").write_text(json.dumps(report))
-    (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int8", "recent": 16, "candidates": []}))
     extra = {n: tmp_path / n for n in ("draft_budget.json", "kv_quant.json", "lookup_corpus.safetensors")}
     write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="dd",
                  config={}, code_version="test", extra_files=extra)
     bundle = read_bundle(tmp_path / "b")
-    fields = bundle.engine_settings(DraftBudget(depth=6))
-    (row1, first), (row2, second) = bundle.device_candidates(fields)
-    assert (row1["tau"], row2["tau"]) == (2.1, 3.4) and first == fields  # the calibrated budget as it is served
-    assert {k: v for k, v in second.items() if k != "lookup_corpus"} == {
+    (first, tau1), (second, tau2) = bundle.device_candidates()
+    assert (first, tau1) == (ServedBudget(DraftBudget(1, 3, 3), adaptive=True), 2.1)
+    assert (second, tau2) == (ServedBudget(DraftBudget(4, 2, 8), False, 8, 15), 3.4)
+    fields = bundle.engine_fields(second)  # each candidate served with the bundle's other settings
+    assert {k: v for k, v in fields.items() if k != "lookup_corpus"} == {
         "budget": DraftBudget(4, 2, 8), "adaptive": False, "lookup": 8, "max_tree": 15, "kv_scheme": "int8",
         "kv_recent": 16}
-    assert second["lookup_corpus"].max_depth == 8 and "lookup_corpus" not in first  # the branch's corpus, sized
+    assert fields["lookup_corpus"].max_depth == 8 and "lookup_corpus" not in bundle.engine_fields(first)
     (tmp_path / "draft_budget.json").write_text(json.dumps({"chosen": chosen, "sweep": []}))  # calibrated before
     write_bundle(tmp_path / "old", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="dd",
                  config={}, code_version="test", extra_files={"draft_budget.json": tmp_path / "draft_budget.json"})
-    assert read_bundle(tmp_path / "old").device_candidates(fields) == []
+    assert read_bundle(tmp_path / "old").device_candidates() == []

@@ -8,30 +8,33 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from export.layer_map import DENSE, LayerMap
-from pipeline.budget_calibration import candidates, choose_budget, device_ladder, successive_halving
-from pipeline.calibrate import CalibrateSettings, choose_scheme, run_calibrate
+from export.calibrate.budget import candidates, choose_budget, device_ladder, successive_halving
+from export.calibrate.kv import choose_kv_scheme, decode_ms, kv_message, quantized_nll
+from export.calibrate.layer_map import DENSE, LayerMap
+from export.calibrate.specattn import calibration_row, choose_top_p, effective_keys, sparse_nll, target_selector
+from export.calibrate.stage import CalibrateSettings, run_calibrate
+from export.calibrate.weights import choose_scheme
 from pipeline.config import Config
-from pipeline.kv_calibration import choose_kv_scheme, decode_ms, kv_message, quantized_nll
 from pipeline.runstore import RunStore
-from pipeline.specattn_calibration import calibration_row, choose_top_p, effective_keys, sparse_nll, target_selector
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
-from runtime.drafter import DraftBudget
-from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_tensors
+from runtime.budget import DraftBudget, ServedBudget
+from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_tensors, get_kind
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.precision import float_dtype
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache
 from runtime.sampling import SamplingParams
-from train import recipes
+from train.recipes import eagle as eagle_recipe
+from train.recipes import lm as lm_recipe
 from train.batches import Batches
 from train.data import TokenizedSet
 from train.trainer import TrainSpec, train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
 TOP_P = [0.5, 0.9, 0.99]
-FAST = CalibrateSettings(schemes=("int8", "int4-g128", "int4-g32"), tau_prompts=3, tau_new_tokens=24, budget_prompts=2)
+FAST = CalibrateSettings(tau_prompts=3, tau_new_tokens=24, budget_prompts=2)
+SCHEMES = ["int8", "int4-g128", "int4-g32"]
 REPLY = 16  # validate.max_new_tokens: the reply length budgets are timed at (FAST.budget_new_tokens 0)
 
 
@@ -55,8 +58,8 @@ def distilled(target_dir, tmp_path_factory):
         rows.append((prompt + engine.generate(prompt, 34, SamplingParams()).tokens, [0] * 6 + [1] * 34))
     data = TokenizedSet.from_rows(rows)
     keep = torch.arange(64)
-    model = recipes.build_eagle(target, keep, from_target=False)
-    train(model, recipes.eagle_loss(target), Batches(data, 8, seed=0), TrainSpec(steps=40, lr=3e-3, warmup=2),
+    model = eagle_recipe.build_eagle(target, keep, from_target=False)
+    train(model, eagle_recipe.eagle_loss(target), Batches(data, 8, seed=0), TrainSpec(steps=40, lr=3e-3, warmup=2),
           tmp_path_factory.mktemp("ckpt"), log=lambda step, m: None)
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     tensors[DRAFT_VOCAB] = keep
@@ -82,6 +85,7 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
     cfg = Config.model_validate({"run": {"dir": str(tmp_path)},
                                  "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
                                  "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P,
+                                               "weight_schemes": SCHEMES,
                                                "kv_recent": 8},  # 40-token rows: a history to quantise
                                  "validate": {"max_new_tokens": REPLY}})
     store = RunStore(tmp_path, "r1")
@@ -95,9 +99,9 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
         (distill / "drafter_config.json").write_text(json.dumps({"kind": "ngram", "max_ngram": 4}))
     elif kind == "lm":  # every target layer: a drafter that attends exactly as the target does
         target = Transformer.from_pretrained(target_dir, max_seq_len=256)
-        lm = recipes.build_lm(target, N_LAYERS, "target")
+        lm = lm_recipe.build_lm(target, N_LAYERS, "target")
         save_file(drafter_tensors(lm, tensors[DRAFT_VOCAB]), str(distill / "drafter.safetensors"))
-        (distill / "drafter_config.json").write_text(json.dumps(drafter_config("lm", lm, 64)))
+        (distill / "drafter_config.json").write_text(json.dumps(drafter_config("lm", lm, 64, None)))
     else:  # saved the way pipeline/distill.py saves it
         tensors = {k: v.clone() for k, v in tensors.items()}
         if outlier:
@@ -205,13 +209,13 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
 
 def test_the_device_ladder_stays_within_the_configured_budget_and_drops_caps_it_cannot_reach():
     full = device_ladder(DraftBudget(6, 4, 24), 16)
-    assert [(b.depth, b.width, b.max_nodes, cap) for b, _, _, cap in full] == [
+    assert [(c.tree.depth, c.tree.width, c.tree.max_nodes, c.max_tree) for c in full] == [
         (2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0)]
-    assert all(not adaptive and lookup == 16 for _, adaptive, lookup, _ in full)
+    assert all(not c.adaptive and c.lookup == 16 for c in full)
     no_lookup = device_ladder(DraftBudget(6, 4, 24), 0)  # 24 nodes never reach a cap of 31: one uncut 6x4/24
-    assert [(b.depth, b.width, b.max_nodes, cap) for b, _, _, cap in no_lookup] == [
+    assert [(c.tree.depth, c.tree.width, c.tree.max_nodes, c.max_tree) for c in no_lookup] == [
         (2, 3, 6, 0), (3, 3, 9, 0), (4, 2, 8, 0), (4, 4, 16, 0), (6, 4, 24, 0)]
-    assert [(b.depth, b.width, cap) for b, _, _, cap in device_ladder(DraftBudget(3, 3, 9), 4)] == [
+    assert [(c.tree.depth, c.tree.width, c.max_tree) for c in device_ladder(DraftBudget(3, 3, 9), 4)] == [
         (2, 3, 0), (3, 3, 0)]
 
 
@@ -252,12 +256,13 @@ def test_successive_halving_drops_the_less_preferred_half_each_round():
 
 def test_budget_candidates_stay_within_the_configured_budget():
     wide = DraftBudget(depth=6, width=4, nodes=24)
-    assert candidates(wide)[-2:] == [(wide, False, 0, 0), (wide, True, 0, 0)] and len(candidates(wide)) == 11
+    assert candidates(wide)[-2:] == [ServedBudget(wide), ServedBudget(wide, adaptive=True)]
+    assert len(candidates(wide)) == 11
     chain = DraftBudget(depth=3, width=1)  # nodes 0: depth * width
     trees = [(DraftBudget(1, 1, 1), False), (DraftBudget(2, 1, 2), False), (chain, False), (chain, True)]
-    assert candidates(chain) == [(b, adaptive, 0, 0) for b, adaptive in trees]
-    cut = [(DraftBudget(2, 1, 2), False, 8, 5), (chain, False, 8, 5)]  # trees of 2..6 nodes + lookup, cut to 5
-    assert candidates(chain, (0, 8)) == [(b, adaptive, n, 0) for n in (0, 8) for b, adaptive in trees] + cut
+    assert candidates(chain) == [ServedBudget(b, adaptive) for b, adaptive in trees]
+    cut = [ServedBudget(DraftBudget(2, 1, 2), False, 8, 5), ServedBudget(chain, False, 8, 5)]  # 2..6 nodes, cut to 5
+    assert candidates(chain, (0, 8)) == [ServedBudget(b, adaptive, n) for n in (0, 8) for b, adaptive in trees] + cut
 
 
 def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled):
@@ -322,8 +327,8 @@ def test_choose_top_p_saves_most_within_the_perplexity_tolerance():
 
 def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, distilled):
     target = Transformer.from_pretrained(target_dir, max_seq_len=64)
-    eagle = recipes.build_eagle(target, None).eval()
-    row = calibration_row(target, eagle, distilled[0].row(0)[0][:30])
+    eagle = eagle_recipe.build_eagle(target, None).eval()
+    row = calibration_row(target, get_kind("eagle"), eagle, distilled[0].row(0)[0][:30])
     nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), top_p=1.0, dense_first=1))
     assert torch.equal(nll, row.dense_nll) and reads == dense
     nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2))

@@ -192,10 +192,10 @@ def test_bench_prompts_file_lines_and_its_errors(tmp_path):
 
 def test_bench_budget_flag_and_its_errors():
     from pipeline.cli import _budget
-    from runtime.drafter import DraftBudget
+    from runtime.budget import DraftBudget, ServedBudget
 
-    assert _budget("2x3/6+8@5") == {"budget": DraftBudget(2, 3, 6), "adaptive": False, "lookup": 8, "max_tree": 5}
-    assert _budget("2x1") == {"budget": DraftBudget(2, 1, 0), "adaptive": False, "lookup": 0, "max_tree": 0}
+    assert _budget("2x3/6+8@5") == ServedBudget(DraftBudget(2, 3, 6), adaptive=False, lookup=8, max_tree=5)
+    assert _budget("2x1") == ServedBudget(DraftBudget(2, 1, 0))
     for bad in ("4x3x2", "0x3", "deep", "4x3+", "4x0/2", "2x1@"):
         with pytest.raises(DraftsmithError, match=re.escape(f"--budget {bad!r}: expected DEPTHxWIDTH")):
             _budget(bad)

@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from runtime.cuda_graphs import GraphedGreedyDecoder
-from runtime.drafter import DraftBudget
-from runtime.eagle import EagleDrafter
+from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
+from runtime.budget import DraftBudget
+from runtime.drafters.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
-from train.recipes import build_eagle
+from train.recipes.eagle import build_eagle
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,12 @@ the engine as serving configures it, the most tokens/s (calibrated tau / ms a st
 import pytest
 import torch
 
-from runtime.bundle import budget_settings
+from runtime.budget import DraftBudget, ServedBudget
 from runtime.device_budget import choose_on_device, describe, ms_per_step
-from runtime.drafter import DraftBudget, budget_spec
-from runtime.eagle import EagleDrafter
+from runtime.drafters.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
-from train.recipes import build_eagle
+from train.recipes.eagle import build_eagle
 
 ROWS = [{"depth": 1, "width": 3, "nodes": 3, "adaptive": True, "lookup": 0, "max_tree": 0},
         {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 4, "max_tree": 5},
@@ -28,8 +27,8 @@ def new_drafter(target):
     return lambda: EagleDrafter(eagle, 128)
 
 
-def candidates(taus: list[float]) -> list[tuple[dict, dict]]:
-    return [(row | {"tau": tau}, budget_settings(row)) for row, tau in zip(ROWS, taus)]
+def candidates(taus: list[float]) -> list[tuple[ServedBudget, float]]:
+    return [(ServedBudget.from_dict(row), tau) for row, tau in zip(ROWS, taus)]
 
 
 @pytest.mark.parametrize("winner", [0, 1, 2])
@@ -38,13 +37,13 @@ def test_the_candidate_with_the_most_tokens_a_second_wins(target, new_drafter, w
     taus[winner] = 80.0  # far more than any difference in step cost on this host can outweigh
     configs = []
 
-    def served(fields: dict) -> EngineConfig:
-        configs.append(cfg := EngineConfig(max_seq_len=128, **fields))
+    def served(budget: ServedBudget) -> EngineConfig:
+        configs.append(cfg := EngineConfig(max_seq_len=128, **budget.engine_fields()))
         return cfg
 
     best, report = choose_on_device(target, new_drafter, candidates(taus), list(range(3, 11)), served, new_tokens=12,
                                     repeats=1)
-    assert best == winner and report["chosen"] == budget_spec(ROWS[winner])
+    assert best == winner and report["chosen"] == ServedBudget.from_dict(ROWS[winner]).spec
     rows = report["candidates"]
     assert [r["budget"] for r in rows] == ["1x3/3", "3x2/6+4@5", "2x1/2"] and report["ar_step_ms"] > 0
     for r, tau in zip(rows, taus):
@@ -61,9 +60,9 @@ def test_the_candidate_with_the_most_tokens_a_second_wins(target, new_drafter, w
 
 
 def test_a_step_is_timed_without_the_prefill_and_per_target_forward(target, new_drafter):
-    engine = Engine(target, new_drafter(), EngineConfig(max_seq_len=128, **budget_settings(ROWS[1])))
+    engine = Engine(target, new_drafter(), EngineConfig(max_seq_len=128, **ServedBudget.from_dict(ROWS[1]).engine_fields()))
     ms = ms_per_step(engine, list(range(3, 11)), new_tokens=12, repeats=2)
     m = engine.generate(list(range(3, 11)), 12).metrics
     assert 0 < ms < 1e3 * m.total_s  # one step, not a generation
     with pytest.raises(ValueError, match="no candidate budgets"):
-        choose_on_device(target, new_drafter, [], [1, 2], lambda f: EngineConfig(**f))
+        choose_on_device(target, new_drafter, [], [1, 2], lambda b: EngineConfig(**b.engine_fields()))

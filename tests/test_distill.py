@@ -6,15 +6,16 @@ import torch
 
 from helpers import self_distilled_rows
 from export.bundle import write_bundle
-from pipeline.distill import TauProbe
 from runtime.bundle import read_bundle
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget
 from runtime.drafters import DRAFT_VOCAB, build_drafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.sampling import SamplingParams
-from train import recipes
+from runtime.tau_probe import TauProbe
+from train.recipes import eagle as eagle_recipe
+from train.recipes import medusa as medusa_recipe
 from train.batches import Batches
 from train.trainer import TrainSpec, train
 
@@ -43,10 +44,10 @@ def test_drafter_learns_and_stays_lossless(kind, target, self_distilled, tmp_pat
     keep = torch.arange(0, 96)
     if kind == "eagle":
         # from scratch: the tiny target's last block alone already predicts it almost perfectly
-        model, loss_fn = recipes.build_eagle(target, keep, from_target=False), recipes.eagle_loss(target)
+        model, loss_fn = eagle_recipe.build_eagle(target, keep, from_target=False), eagle_recipe.eagle_loss(target)
         acc, lr, min_tau = "top1", 3e-3, 1.2
     else:
-        model, loss_fn = recipes.build_medusa(target, 3, keep), recipes.medusa_loss(target)
+        model, loss_fn = medusa_recipe.build_medusa(target, 3, keep), medusa_recipe.medusa_loss(target)
         acc, lr, min_tau = "head0_top1", 2e-2, 1.05  # one zero-initialised residual layer per head: it needs a push
     history = _train(model, loss_fn, self_distilled, 60, tmp_path / "ckpt", lr)
     first, last = history[0], history[-1]

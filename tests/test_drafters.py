@@ -3,12 +3,13 @@ import pytest
 import torch
 
 from runtime.draft_head import DraftHead, frequent_token_ids
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree
-from runtime.eagle import EagleDrafter
+from runtime.drafters.eagle import EagleDrafter
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
-from train.recipes import build_eagle, build_medusa
+from train.recipes.eagle import build_eagle
+from train.recipes.medusa import build_medusa
 
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=20)
 
@@ -107,7 +108,7 @@ def test_reduced_vocab_head_maps_back():
 
 
 def test_medusa_tree_uses_head_per_depth(target):
-    from runtime.medusa import MedusaDrafter
+    from runtime.drafters.medusa import MedusaDrafter
 
     heads = build_medusa(target, num_heads=3, keep_ids=None).eval()
     d = MedusaDrafter(heads)

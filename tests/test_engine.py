@@ -7,15 +7,18 @@ import pytest
 import torch
 
 from runtime.attention import SpecAttnConfig
-from runtime.bench import copy_bandwidth, default_bench_prompts, run_bench, weight_bytes_per_token
-from runtime.drafter import DraftBudget, Drafter
-from runtime.eagle import EagleDrafter
+from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_prompts, run_bench,
+                                    weight_bytes_per_token)
+from runtime.budget import DraftBudget, ServedBudget
+from runtime.drafter import Drafter
+from runtime.drafters.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.sampling import SamplingParams
+from runtime.served import ServedEngine
 from runtime.tree import DraftTree
-from train import recipes
+from train.recipes import eagle as eagle_recipe
 
 PROMPT = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9]
 
@@ -269,9 +272,21 @@ def test_weight_bytes_count_a_tied_table_once(tiny_model_dir):
     assert copy_bandwidth(n_bytes=1 << 20, repeats=2) > 0
 
 
+def chain_speculation(label: str, new_drafter, **fields) -> Speculation:
+    """A depth-3 chain of `new_drafter(target)`, with further EngineConfig fields."""
+    budget = ServedBudget(DraftBudget(3))
+
+    def build(target, max_seq_len, _prompt):
+        cfg = EngineConfig(max_seq_len=max_seq_len, **budget.engine_fields(), **fields)
+        return ServedEngine(Engine(target, new_drafter(target), cfg), budget, cfg, lambda: new_drafter(target))
+
+    return Speculation(label, budget.tree.max_nodes, build)
+
+
 @pytest.mark.slow
 def test_bench_on_smollm2(smollm2_dir):
-    report = run_bench(smollm2_dir, "ngram", default_bench_prompts()[:1], max_new_tokens=12, print_table=False)
+    report = run_bench(smollm2_dir, default_bench_prompts()[:1], chain_speculation("ngram", lambda t: NgramDrafter(t.config.vocab_size)),
+                       max_new_tokens=12, print_table=False)
     methods = report["methods"]
     assert set(methods) == {"hf_generate", "ours_ar", "ours_spec"}
     assert all(m["same_tokens_as_ours_ar"] for m in methods.values())  # greedy fp32: HF, AR and speculative agree
@@ -282,9 +297,9 @@ def test_bench_on_smollm2(smollm2_dir):
     json.dumps(report)
     # SpecAttn (as a sparse bundle or --specattn-top-p asks): the speculative rows verify sparsely, AR stays dense
     sparse = SpecAttnConfig((-1, -1) + (0,) * 28, top_p=0.5)
-    report = run_bench(smollm2_dir, "eagle", default_bench_prompts()[:1], max_new_tokens=8, print_table=False,
-                       engine_fields={"budget": DraftBudget(3), "sparse": sparse},
-                       drafter_factory=lambda spec, t: EagleDrafter(recipes.build_eagle(t, None).eval(), t.max_seq_len))
+    eagle = chain_speculation("eagle", lambda t: EagleDrafter(eagle_recipe.build_eagle(t, None).eval(), t.max_seq_len),
+                              sparse=sparse)
+    report = run_bench(smollm2_dir, default_bench_prompts()[:1], eagle, max_new_tokens=8, print_table=False)
     assert report["specattn"]["top_p"] == 0.5 and 0 < report["methods"]["ours_spec"]["kv_saved"] < 1
     assert "kv_saved" not in report["methods"]["ours_ar"] and report["methods"]["ours_ar"]["tau"] == 1.0
 

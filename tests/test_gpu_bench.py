@@ -6,14 +6,16 @@ import pytest
 import torch
 
 from runtime.attention import SpecAttnConfig
-from runtime.bench import measure, static_verify_config
+from pipeline.bench.harness import measure
+from runtime.served import static_verify_config
 from runtime import cuda_graphs
-from runtime.cuda_graphs import GraphedGreedyDecoder, StaticVerifier, key_span
+from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
+from runtime.cuda_graphs import StaticVerifier, key_span
 from runtime.engine import Engine, EngineConfig
-from runtime.gpu_bench import ReplayDrafter, random_models, random_prompts, run_random_bench
+from pipeline.bench.random_weights import ReplayDrafter, random_models, random_prompts, run_random_bench
 from runtime.sampling import SamplingParams
-from runtime.step_costs import step_costs
-from runtime.step_profile import step_profile
+from pipeline.bench.step_costs import step_costs
+from pipeline.bench.step_profile import step_profile
 from runtime.tree import DraftTree
 
 
@@ -174,7 +176,7 @@ def test_step_costs_time_every_bucket_and_budget_and_refuse_a_tree_that_does_not
 
 def test_step_tools_take_the_served_cache_length_and_the_smallest_key_span(tmp_path, monkeypatch, capsys):
     """--cache-len sizes the caches as serving does; --min-span the cache's length times the whole-cache steps."""
-    from runtime.step_costs import main
+    from pipeline.bench.step_costs import main
 
     monkeypatch.setattr(cuda_graphs, "MIN_SPAN", cuda_graphs.MIN_SPAN)  # restored after --min-span sets it
     out = tmp_path / "costs.json"
@@ -189,7 +191,7 @@ def test_step_tools_take_the_served_cache_length_and_the_smallest_key_span(tmp_p
 
 
 def test_step_profile_splits_a_step_into_its_phases_and_counts_what_it_dispatches():
-    from runtime.step_profile import main
+    from pipeline.bench.step_profile import main
 
     p = step_profile("smollm2-135m", torch.float32, "cpu", budget="2x3/6@5", context=16, new_tokens=12)
     assert p["steps"] >= 1 and p["tau"] == pytest.approx(11 / p["steps"])  # the first token comes from the prefill

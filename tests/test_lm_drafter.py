@@ -20,15 +20,15 @@ from pipeline.stages import StageContext
 from pipeline.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
 from runtime.attention import SpecAttnConfig
 from runtime.bundle import LOOKUP_CORPUS, SPECATTN, read_bundle
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget, ServedBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.engine import Engine, EngineConfig
-from runtime.lm_drafter import LMDrafter
+from runtime.drafters.lm import LMDrafter
 from runtime.hf_weights import hf_causal_lm, hf_config, hf_state_dict
 from runtime.model import Transformer
 from runtime.ngram import answer_spans
 from runtime.sampling import SamplingParams
-from train import recipes
+from train.recipes import lm as lm_recipe
 from train.batches import Batches
 from train.losses import KD_DISTANCES
 from train.trainer import TrainSpec, train
@@ -84,12 +84,12 @@ def test_kd_loss_compares_next_token_distributions_on_assistant_tokens(target, k
     mask = torch.zeros(1, 10, dtype=torch.long)
     mask[0, 7] = 1  # only token 7 is the assistant's: row 6 predicts it
     batch = {"input_ids": ids, "loss_mask": mask}
-    loss_fn = recipes.lm_kd_loss(target, kind)
-    copy = recipes.build_lm(target, target.config.n_layers, "target")
+    loss_fn = lm_recipe.lm_kd_loss(target, kind)
+    copy = lm_recipe.build_lm(target, target.config.n_layers, "target")
     loss, metrics = loss_fn(copy, batch)
     assert loss.item() == pytest.approx(0.0, abs=1e-5) and metrics["top1"] == 1.0
 
-    drafter = _perturbed(recipes.build_lm(target, target.config.n_layers, "target"), scale=0.2)
+    drafter = _perturbed(lm_recipe.build_lm(target, target.config.n_layers, "target"), scale=0.2)
     loss, _ = loss_fn(drafter, batch)
 
     def next_token_logits(model):
@@ -107,13 +107,13 @@ def test_kd_loss_compares_next_token_distributions_on_assistant_tokens(target, k
 @pytest.mark.parametrize("kind,init", [("forward_kl", "random"), ("tv", "target")])
 def test_lm_learns_and_stays_lossless(target, self_distilled, tmp_path, kind, init):
     keep = torch.arange(0, VOCAB)
-    model = recipes.build_lm(target, 1, init)
-    history = _train(model, recipes.lm_kd_loss(target, kind, keep), self_distilled, 40, tmp_path / "ckpt", 3e-3)
+    model = lm_recipe.build_lm(target, 1, init)
+    history = _train(model, lm_recipe.lm_kd_loss(target, kind, keep), self_distilled, 40, tmp_path / "ckpt", 3e-3)
     first, last = history[0], history[-1]
     assert last["loss"] < 0.8 * first["loss"]
     assert last["top1"] > first["top1"] + 0.1
 
-    config = drafter_config("lm", model, keep.numel())
+    config = drafter_config("lm", model, keep.numel(), None)
     write_bundle(tmp_path / "bundle", config, drafter_tensors(model, keep), target_fingerprint="t", data_digest="d",
                  config={}, code_version="test")
     drafter = build_drafter(read_bundle(tmp_path / "bundle", "t"), target, 256)
@@ -132,7 +132,7 @@ def test_lm_learns_and_stays_lossless(target, self_distilled, tmp_path, kind, in
 def test_kept_tree_kv_matches_a_fresh_drafter(target):
     """After commits that reuse the KV of expanded tree nodes (compacted in place), the drafter proposes what a
     drafter reset on the whole committed sequence proposes: a wrong slot, position or mask would show."""
-    model = _perturbed(recipes.build_lm(target, 2, "target"), scale=0.1).eval()
+    model = _perturbed(lm_recipe.build_lm(target, 2, "target"), scale=0.1).eval()
     drafter = LMDrafter(model, 128)
     tokens = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(5))
     drafter.reset(tokens, None)
@@ -158,12 +158,12 @@ def test_kept_tree_kv_matches_a_fresh_drafter(target):
 
 def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model_dir, tmp_path):
     base_dir = tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1)
-    model = recipes.build_lm_lora(target, base_dir, rank=4)
+    model = lm_recipe.build_lm_lora(target, base_dir, rank=4)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    history = _train(model, recipes.lm_kd_loss(target, "forward_kl"), self_distilled, 12, tmp_path / "ckpt", 1e-2)
+    history = _train(model, lm_recipe.lm_kd_loss(target, "forward_kl"), self_distilled, 12, tmp_path / "ckpt", 1e-2)
     assert history[-1]["loss"] < history[0]["loss"]
-    merged, base = recipes.merge_lora(model), Transformer.from_pretrained(base_dir, max_seq_len=256)
+    merged, base = lm_recipe.merge_lora(model), Transformer.from_pretrained(base_dir, max_seq_len=256)
     assert isinstance(merged, Transformer)
     merged_sd, base_sd = merged.state_dict(), base.state_dict()
     assert merged_sd.keys() == base_sd.keys()
@@ -171,17 +171,17 @@ def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model
     assert "layers.0.attention.wqkv.weight" in changed and "layers.0.feed_forward.w2.weight" in changed
     assert "tok_embeddings.weight" not in changed and "norm.weight" not in changed  # not adapted
     with pytest.raises(ValueError, match="vocab_size 80"):
-        recipes.build_lm_lora(target, tiny_model_dir("llama", vocab_size=80), rank=4)
+        lm_recipe.build_lm_lora(target, tiny_model_dir("llama", vocab_size=80), rank=4)
 
 
 def test_bad_lm_settings_are_refused(target, self_distilled):
     ctx = StageContext(Config.model_validate({"drafter": {"kind": "lm", "lm_layers": 3}}), None, None)
     with pytest.raises(DraftsmithError, match="lm_layers=3: expected 1..2"):  # the CLI prints it as one line
-        build(ctx, target, self_distilled)
+        build(ctx, target, None)
     with pytest.raises(ValueError, match="lm_init='copy'"):
-        recipes.build_lm(target, 1, "copy")
+        lm_recipe.build_lm(target, 1, "copy")
     with pytest.raises(ValueError, match="kd_loss='reverse_kl'"):
-        recipes.lm_kd_loss(target, "reverse_kl")
+        lm_recipe.lm_kd_loss(target, "reverse_kl")
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": True}),
@@ -201,7 +201,7 @@ def test_hf_conversion_round_trips(tiny_model_dir, tmp_path, arch, overrides):
 
 
 def test_lm_step_exports_to_onnx(target, tmp_path):
-    model = _perturbed(recipes.build_lm(target, 1, "random")).eval()
+    model = _perturbed(lm_recipe.build_lm(target, 1, "random")).eval()
     path = tmp_path / ONNX_FILE
     record = export_onnx(model, "lm", example_inputs(model, "lm", 2, 5), path)
     assert record["inputs"] == {"input_ids": ["batch", "seq"]} and record["outputs"]["logits"] == ["batch", "seq", 96]
@@ -257,7 +257,8 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
     # the lookup branch's corpus: the training rows' answers, each after its last 4 tokens of context
     spans = answer_spans(self_distilled.input_ids, self_distilled.loss_mask, self_distilled.offsets)
     assert torch.equal(load_file(str(bundle.path(LOOKUP_CORPUS)))["tokens"].long(), torch.cat(spans))
-    assert bundle.engine_settings(DraftBudget(3))["lookup_corpus"].max_depth == 4  # the calibrated branch's depth
+    corpus = bundle.engine_fields(bundle.served_budget(ServedBudget()))["lookup_corpus"]
+    assert corpus.max_depth == 4  # the calibrated branch's depth
 
     rec = run_stage_on(store, "validate", cfg, target_dir, run_validate)
     report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
@@ -289,7 +290,7 @@ def test_a_bundle_with_sparse_verification_is_served_sparse_and_reported_lossy_b
     run_stage_on(store, "calibrate", cfg, target_dir, calibrate)
     run_stage_on(store, "export", cfg, target_dir, run_export)
     bundle = read_bundle(store.stage_dir("export") / "bundle", target_fingerprint(target_dir))
-    assert bundle.engine_settings(DraftBudget(3))["sparse"] == sparse
+    assert bundle.engine_fields(ServedBudget())["sparse"] == sparse
     rec = run_stage_on(store, "validate", cfg, target_dir, run_validate)
     report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
     assert report["sparse"]["top_p"] == 0.5 and 0 < report["metrics"]["kv_saved"] < 1

@@ -3,7 +3,8 @@ import random
 import pytest
 import torch
 
-from runtime.drafter import DraftBudget, Drafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter
 from runtime.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
 from runtime.sampling import SamplingParams
 

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
-from export.onnx_export import ONNX_FILE, EagleStep, check_onnx_parity, example_inputs, export_onnx
+from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
+from runtime.drafters.eagle import EagleStep
 from runtime.model import Transformer
-from train.recipes import build_eagle, build_medusa
+from train.recipes.eagle import build_eagle
+from train.recipes.medusa import build_medusa
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,10 @@ def test_bad_requests_are_refused_with_a_reason(target, tmp_path):
     eagle, medusa = _drafter(target, "eagle"), _drafter(target, "medusa")
     with pytest.raises(ValueError, match="takes drafter type EagleModel, got MedusaHeads"):
         export_onnx(medusa, "eagle", example_inputs(medusa, "medusa", 2, 2), tmp_path / ONNX_FILE)
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match="ngram drafter has no ONNX step"):
         export_onnx(eagle, "ngram", {}, tmp_path / ONNX_FILE)
+    with pytest.raises(ValueError, match="'nope' is not one of"):
+        export_onnx(eagle, "nope", {}, tmp_path / ONNX_FILE)
     with pytest.raises(ValueError, match="batch >= 2 and seq >= 2"):
         export_onnx(eagle, "eagle", example_inputs(eagle, "eagle", 1, 4), tmp_path / ONNX_FILE)
     with pytest.raises(ValueError, match="takes inputs"):

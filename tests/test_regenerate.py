@@ -10,7 +10,7 @@ from runtime.batch_generate import BatchGenerator, Request
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
-from train import recipes
+from train.recipes import eagle as eagle_recipe
 from train.batches import Batches
 from train.data import TokenizedSet
 from train.regenerate import RegenSettings, cache_features, regenerate
@@ -126,8 +126,8 @@ def test_cached_features_give_the_same_loss_as_the_online_target(target, tmp_pat
         load_features(tmp_path / "stage", "train", ts.input_ids.numel() + 1)
 
     online, offline = Batches(ts, 4, seed=0), Batches(ts, 4, seed=0, features=features)
-    model = recipes.build_eagle(target, None)
-    loss_fn = recipes.eagle_loss(target, noise=0.0)
+    model = eagle_recipe.build_eagle(target, None)
+    loss_fn = eagle_recipe.eagle_loss(target, noise=0.0)
     with torch.no_grad():
         a, _ = loss_fn(model, online.batch_at(0))
         b, _ = loss_fn(model, offline.batch_at(0))

@@ -15,8 +15,7 @@ from mlflow_server import free_port, run_stage, stop, validated_run, wait_health
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
-from pipeline.serving import (BUDGET_ENV, DEVICE_ENV, budget_source, serve_invocation, serving_config,
-                              serving_device)
+from pipeline.serving import BUDGET_ENV, DEVICE_ENV, budget_source, serve_invocation, serving_device
 from pipeline.sources import target_fingerprint
 from runtime.precision import float_dtype
 from runtime.bundle import BundleError
@@ -136,13 +135,24 @@ def test_serve_refuses_an_alias_the_registry_lacks(tmp_path):
         serve_invocation(cfg, free_port())
 
 
-def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(monkeypatch):
-    from runtime.drafter import DraftBudget
+def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tmp_path, tiny_chat_target,
+                                                                               monkeypatch):
+    from export.bundle import write_bundle
+    from runtime.budget import DraftBudget
+    from runtime.bundle import read_bundle
+    from runtime.model import Transformer
+    from runtime.served import served_engine
 
-    fields = {"budget": DraftBudget(2, 3, 6), "lookup": 8, "kv_scheme": "int8", "kv_recent": 32}
-    cpu = serving_config(fields, 512, torch.device("cpu"))
-    assert (cpu.kv_scheme, cpu.static_verify, cpu.lookup) == ("int8", False, 8)
-    gpu = serving_config(fields, 512, torch.device("cuda"))  # a config only: nothing runs on the device here
+    chosen = {"depth": 2, "width": 3, "nodes": 6, "adaptive": False, "lookup": 8, "max_tree": 0}
+    (tmp_path / "draft_budget.json").write_text(json.dumps({"chosen": chosen, "sweep": []}))
+    (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int8", "recent": 32, "candidates": []}))
+    write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="d",
+                 config={}, code_version="test", extra_files={n: tmp_path / n for n in ("draft_budget.json",
+                                                                                         "kv_quant.json")})
+    bundle, target = read_bundle(tmp_path / "b"), Transformer.from_pretrained(tiny_chat_target, max_seq_len=512)
+    cpu = served_engine(bundle, target, 512).engine.cfg  # on the CPU: as calibrated
+    assert (cpu.kv_scheme, cpu.static_verify, cpu.lookup, cpu.budget) == ("int8", False, 8, DraftBudget(2, 3, 6))
+    gpu = served_engine(bundle, target, 512, graphed=True).engine.cfg  # what a CUDA target gets
     assert (gpu.kv_scheme, gpu.static_verify, gpu.lookup, gpu.budget) == (None, True, 8, DraftBudget(2, 3, 6))
     monkeypatch.delenv(DEVICE_ENV, raising=False)
     assert serving_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -164,7 +174,7 @@ def test_pyfunc_serves_the_device_candidate_that_runs_fastest_here(tmp_path, tin
     tokens/s served; its tau (from calibrate, made up here) outweighs any step cost. Output stays plain greedy."""
     import mlflow
 
-    from runtime.drafter import DraftBudget
+    from runtime.budget import DraftBudget
 
     chain = {"depth": 1, "width": 1, "nodes": 1, "adaptive": False, "lookup": 0, "max_tree": 0}
     wide = {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 4, "max_tree": 5}

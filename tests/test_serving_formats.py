@@ -11,11 +11,22 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from export.serving_formats import HOT_TOKENS, write_sglang_eagle, write_speculators_eagle
+from export.engine_formats import write_engine_export
 from runtime.draft_head import DraftHead
-from runtime.eagle import EagleModel
+from runtime.drafters.eagle import HOT_TOKENS, KIND, EagleModel
 from runtime.model import Transformer
-from train.recipes import build_eagle
+from train.recipes.eagle import build_eagle
+
+
+VERIFIER = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}
+
+
+def write_speculators_eagle(model: EagleModel, out, verifier: dict = VERIFIER, speculative_tokens: int = 5) -> dict:
+    return write_engine_export(KIND.engine_exports(model, verifier, speculative_tokens)["speculators-eagle"], out)
+
+
+def write_sglang_eagle(model: EagleModel, out) -> dict:
+    return write_engine_export(KIND.engine_exports(model, VERIFIER)["sglang-eagle"], out)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +86,7 @@ def test_speculators_forward_reproduces_the_runtime(target, tmp_path, biased):
         model = reference_layout(EagleModel(cfg, target.tok_embeddings.weight, DraftHead(target.output.weight), 64))
     else:
         model = reference_layout(build_eagle(target, None))
-    write_speculators_eagle(model, tmp_path, verifier_name_or_path="tiny", verifier_architectures=["LlamaForCausalLM"])
+    write_speculators_eagle(model, tmp_path)
     g = torch.Generator().manual_seed(1)
     ids, feats = torch.randint(0, 96, (2, 7), generator=g), torch.randn(2, 7, 64, generator=g)
     with torch.no_grad():
@@ -86,8 +97,8 @@ def test_speculators_forward_reproduces_the_runtime(target, tmp_path, biased):
 
 def test_speculators_config_and_tensor_names(target, tmp_path):
     model = reference_layout(build_eagle(target, None))
-    record = write_speculators_eagle(model, tmp_path / "spec", verifier_name_or_path="HuggingFaceTB/SmolLM2-135M",
-                                     verifier_architectures=["LlamaForCausalLM"], speculative_tokens=4)
+    verifier = {"name_or_path": "HuggingFaceTB/SmolLM2-135M", "architectures": ["LlamaForCausalLM"]}
+    record = write_speculators_eagle(model, tmp_path / "spec", verifier, speculative_tokens=4)
     assert record["files"] == ["config.json", "model.safetensors"]
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle" and config["layernorms"] is False
@@ -137,7 +148,7 @@ def test_reduced_vocabulary_travels_as_sglang_hot_tokens(target, tmp_path):
     assert hot == [3, 17, 40, 90]
     assert torch.equal(target.output.weight[torch.tensor(hot)], model.head.weight)  # SGLang's head.data[hot]
     with pytest.raises(ValueError, match="no reduced draft vocabulary"):
-        write_speculators_eagle(model, tmp_path / "spec", verifier_name_or_path="t", verifier_architectures=[])
+        write_speculators_eagle(model, tmp_path / "spec")
 
 
 def test_drafters_the_engines_would_run_differently_are_refused(target, tmp_path):
@@ -146,17 +157,15 @@ def test_drafters_the_engines_would_run_differently_are_refused(target, tmp_path
     with pytest.raises(ValueError, match="input_layernorm"):
         write_sglang_eagle(with_norm, tmp_path / "a")
     embed, head = target.tok_embeddings.weight, DraftHead(target.output.weight)
-    for change, match in [({"qk_norm": True}, "no Llama-layer equivalent"), ({"sliding_window": 8}, "no Llama-layer"),
+    for change, match in [({"qk_norm": True}, "no Llama equivalent"), ({"sliding_window": 8}, "no Llama"),
                           ({"qkv_bias": True}, "both or neither")]:
         model = reference_layout(EagleModel(replace(target.config, **change), embed, head, 64))
-        for write in (write_sglang_eagle, lambda m, d: write_speculators_eagle(
-                m, d, verifier_name_or_path="t", verifier_architectures=[])):
+        for write in (write_sglang_eagle, write_speculators_eagle):
             with pytest.raises(ValueError, match=match):
                 write(model, tmp_path / "b")
     biased_mlp = reference_layout(EagleModel(replace(target.config, mlp_bias=True), embed, head, 64))
     with pytest.raises(ValueError, match="LlamaMLP"):
         write_sglang_eagle(biased_mlp, tmp_path / "c")
     with pytest.raises(ValueError, match="speculative_tokens"):
-        write_speculators_eagle(reference_layout(build_eagle(target, None)), tmp_path / "d",
-                                verifier_name_or_path="t", verifier_architectures=[], speculative_tokens=0)
+        write_speculators_eagle(reference_layout(build_eagle(target, None)), tmp_path / "d", speculative_tokens=0)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before writing anything

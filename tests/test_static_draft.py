@@ -4,13 +4,13 @@ tau."""
 import pytest
 import torch
 
-from runtime.drafter import DraftBudget
-from runtime.eagle import EagleDrafter
+from runtime.budget import DraftBudget
+from runtime.drafters.eagle import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 from runtime.static_draft import StaticEagleTree
-from train.recipes import build_eagle
+from train.recipes.eagle import build_eagle
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ import torch
 
 from helpers import self_distilled_rows
 from runtime.model import Transformer
-from train import recipes
-from train.recipes import eagle_loss, simulated_chain
+from train.recipes import eagle as eagle_recipe
+from train import target_outputs
+from train.recipes.eagle import eagle_loss, simulated_chain
 from train.ttt import unroll
 
 
@@ -17,7 +18,7 @@ def target(tiny_model_dir):
 
 def test_unroll_equals_sequential_drafting(target):
     torch.manual_seed(0)
-    model = recipes.build_eagle(target, None, from_target=False).eval()
+    model = eagle_recipe.build_eagle(target, None, from_target=False).eval()
     ids = torch.randint(0, 96, (1, 14))
     f = torch.randn(1, 14, target.config.dim)
     depth = 4
@@ -42,7 +43,7 @@ def test_training_through_the_unroll_raises_deep_acceptance(target, tmp_path):
 
     data = Batches(self_distilled_rows(target, rows=24, prompt_vocab=96, new_tokens=40, max_seq_len=128), 8,
                    seed=0)
-    model = recipes.build_eagle(target, torch.arange(96), from_target=False)
+    model = eagle_recipe.build_eagle(target, torch.arange(96), from_target=False)
     before = simulated_chain(model, target, [data.batch_at(0)], depth=4)
     history = []
     train(model, eagle_loss(target, depth=3), data, TrainSpec(steps=60, lr=3e-3, warmup=2), tmp_path,
@@ -59,7 +60,7 @@ def test_training_through_the_unroll_raises_deep_acceptance(target, tmp_path):
 
 def test_unroll_restricted_to_wanted_rows_predicts_the_same_there(target):
     torch.manual_seed(1)
-    model = recipes.build_eagle(target, None, from_target=False).eval()
+    model = eagle_recipe.build_eagle(target, None, from_target=False).eval()
     ids = torch.randint(0, 96, (2, 14))
     f = torch.randn(2, 14, target.config.dim)
     wanted = [torch.rand(2, 13) < 0.4 for _ in range(3)]
@@ -83,10 +84,10 @@ def test_eagle_loss_equals_the_loss_over_every_row(target, candidates):
 
     batch = Batches(self_distilled_rows(target, rows=4, prompt_vocab=96, new_tokens=20, max_seq_len=128), 4,
                     seed=0).batch_at(0)
-    model = recipes.build_eagle(target, torch.arange(80), from_target=False)
+    model = eagle_recipe.build_eagle(target, torch.arange(80), from_target=False)
 
     def plain(model, batch, depth=3, decay=0.7, noise=0.1):
-        t = recipes.target_features(target, batch)
+        t = target_outputs.target_features(target, batch)
         f, mask, ids = t.features, t.mask, batch["input_ids"]
         T = ids.shape[1]
         inputs = f[:, :-1] + noise * (2 * torch.rand_like(f[:, :-1]) - 1)

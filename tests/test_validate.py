@@ -70,7 +70,8 @@ def test_export_writes_a_manifest_covering_every_file(exported, tiny_llama_dir):
     assert manifest["target_fingerprint"] == target_fingerprint(tiny_llama_dir)
     assert manifest["data_digest"] == exported.record("prepare")["inputs_digest"]
     assert manifest["config"]["drafter"]["kind"] == "ngram"
-    assert manifest["draft_budget"] == {"depth": 3, "width": 2, "nodes": 6}
+    assert manifest["draft_budget"] == {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 16,
+                                        "max_tree": 0}  # the largest the run allows
     assert manifest["code_version"]
 
 
@@ -78,7 +79,7 @@ def _medusa_files(target_dir):
     from safetensors.torch import save_file
 
     from runtime.model import Transformer
-    from train.recipes import build_medusa
+    from train.recipes.medusa import build_medusa
 
     heads = build_medusa(Transformer.from_pretrained(target_dir, max_seq_len=64), num_heads=2, keep_ids=None)
     return {"drafter_config.json": lambda p: p.write_text(json.dumps(heads.cfg.to_dict())),
@@ -119,7 +120,7 @@ def test_export_ships_the_calibrated_int8_weights_and_the_reader_restores_them(t
     packed = quantize_state_dict({k: torch.randn(v.shape, generator=g) if v.dim() == 2 else v
                                   for k, v in plain.items()}, "int8")
 
-    def calibrate(ctx):  # what pipeline.calibrate writes when int8 is chosen
+    def calibrate(ctx):  # what export.calibrate writes when int8 is chosen
         (ctx.out / "quant.json").write_text('{"chosen": "int8"}')
         save_file(packed, str(ctx.out / "quant.safetensors"), metadata={"scheme": "int8"})
         return StageResult(outputs={"quant": "quant.json", "quant_weights": "quant.safetensors"})
@@ -195,10 +196,10 @@ def test_methods_are_timed_back_to_back_on_each_prompt():
 def test_repeats_keep_each_methods_fastest_run_from_the_same_generator_state(monkeypatch):
     """With repeats the methods take turns on a prompt; each repeat starts from the same generator state (the same
     tokens, sampled or not) and the fastest counts."""
-    import runtime.bench
+    import pipeline.bench.harness
 
     clock, durations, calls = [0.0], {"spec": [5.0, 1.0, 2.0, 3.0], "hf": [4.0, 6.0, 1.5, 0.5]}, []
-    monkeypatch.setattr(runtime.bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(pipeline.bench.harness.time, "perf_counter", lambda: clock[0])
 
     def method(name):
         def run(ids, params, gen):

@@ -1,33 +1,16 @@
 """Small-batch fp32 products on AVX2 CPUs: our own C++ kernel (cpu_gemm.cpp), F.linear its torch reference.
 
-Why our own: decode multiplies 1 row and a tree verify 2..41 rows by each weight, and on an AVX2 AMD EPYC the
-library kernels grow fast with the rows. All of a SmolLM2-135M forward's products, fp32, median of 5-15 on the
-2-core AMD host (scratch micro-benchmark; `pipeline bench` measures the end-to-end effect):
-
-    rows                      1     2     4     7    11    16    32    64    96   128  1024
-    oneDNN prepacked, ms     34    31    36    53    55    61    96   156   202   288  2036
-    our first kernel, ms     22    22    28    31    39    45    79   136   229   318  2582
-
-It reads the weight packed in panels of 16 output columns, k-major (`pack`, done once per Linear at load): a tile
-of up to 6 rows broadcasts each x[m, k] against the panel's 64-byte line for that k, and while one panel's tiles
-compute, they prefetch the next panel. Our first kernel (the row above: tiles of 3 rows x 4 weight rows)
-read each weight tile from memory only when its first row tile reached it; with the next panel prefetched, the
-same products take (scratch benchmark, random weights of the SmolLM2-135M shapes, medians of 5, interleaved):
-
-    rows                      1     6     8    12    16
-    our first kernel, ms     25    34    38    44    54
-    panels + prefetch, ms    26    27    34    40    49
-
-and a speculative step on validate's 16 prompts (2x2/4 tree + lookup 8, our AR and speculation interleaved per
-prompt, twice): verify 67.3 -> 61.2 and 62.6 -> 58.1 ms, speculation over our AR 1.65x -> 1.75x and 1.64x -> 1.77x,
-identical tokens. A verify's cost grows by the 6-row tile: 7..12 rows cost about one more pass over L2-held panels
-than 1..6 (EngineConfig.max_tree). From ~64 rows on the library's blocked kernel computes faster
-(runtime.cpu_packing.OWN_MAX_ROWS).
+Why our own: decode multiplies 1 row and a tree verify a few rows by each weight, and on AVX2 AMD CPUs the library
+kernels grow fast with the rows (docs/cpu.md has the tables). It reads the weight packed in panels of 16 output
+columns, k-major (`pack`, done once per Linear at load): a tile of up to 6 rows broadcasts each x[m, k] against the
+panel's 64-byte line for that k, and while one panel's tiles compute, they prefetch the next panel. A verify's cost
+therefore grows by the 6-row tile (EngineConfig.max_tree). From ~64 rows on the library's blocked kernel computes
+faster (runtime.cpu_packing.OWN_MAX_ROWS).
 
 It is also batch-invariant: every output is the same chain of FMAs over k whatever the number of rows, so a verify
 row equals its one-row decode bit for bit (tests/test_cpu_gemm.py), which greedy losslessness needs.
 
-Built at first use with torch's extension builder (cached on disk, ~20 s once). Where the CPU lacks AVX2 or FMA,
+Built at first use with torch's extension builder (cached on disk). Where the CPU lacks AVX2 or FMA,
 or no compiler is present, `available()` is False and callers keep their library kernel.
 """
 from __future__ import annotations

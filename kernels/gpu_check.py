@@ -1,4 +1,4 @@
-"""GPU check of the Triton kernels against their torch references (issue #8): `python -m kernels.gpu_check`.
+"""GPU check of the Triton kernels against their torch references: `python -m kernels.gpu_check`.
 
 Runs every kernel in kernels/topp.py, kernels/kv_quant.py and kernels/sparse_attention.py natively on CUDA next
 to its torch reference (the reference also runs on CUDA), on fresh random inputs, in fp32 and bf16 inputs, and

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel for a CUDA GPU on a machine without one (issue #8): `python -m kernels.gpu_compile`.
+"""Compile every Triton kernel for a CUDA GPU on a machine without one: `python -m kernels.gpu_compile`.
 
 Triton's CPU interpreter (the tests' way of running the kernels) checks what a kernel computes, not that it
 compiles: lowering to a GPU, the layouts of `tl.dot`, shared memory and ptxas are never reached. Here each wrapper

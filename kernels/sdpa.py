@@ -6,8 +6,8 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Not cuDNN (SDPA's first pick there): it builds an execution plan for every new shape, 5-12 ms of host time on an
-# H100 machine, and a decode's or a tree's key count is new at every step (measured: 85% of an eager decode). Not
+# Not cuDNN (SDPA's first pick there): it builds an execution plan for every new shape, and a decode's or a tree's
+# key count is new at every step (docs/gpu.md: most of an eager decode). Not
 # flash either: it would take the maskless one-token decode and memory-efficient attention the masked tree verify,
 # and two kernels round bf16 differently, so greedy speculation would drift from plain decoding.
 CUDA_SDPA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

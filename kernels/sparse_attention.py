@@ -1,4 +1,4 @@
-"""SpecAttn sparse verification in Triton (issue #8): attention that reads only the keys each kv head keeps.
+"""SpecAttn sparse verification in Triton: attention that reads only the keys each kv head keeps.
 
 The sdpa backend gives the sparse result by masking, so it still reads every key. This kernel first lists, per
 (batch, kv head), the positions some query keeps (ascending, without a host sync), then each program -- one kv head

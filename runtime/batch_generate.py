@@ -2,13 +2,12 @@
 
 `batch_size` rows of one static KV cache decode together; a finished row is refilled with the next request at
 once (prefilled alone through `KVCache.row`), so one long answer never holds the batch back; once no request waits,
-the busy rows are packed together and a step decodes only them. On 2 CPU cores 16 rows decode about 8x the tokens/s
-of one. With `keep_hidden` every completion carries the target's final hidden state at every position of prompt +
+the busy rows are packed together and a step decodes only them. With `keep_hidden` every completion carries the target's final hidden state at every position of prompt +
 answer: the features drafters train on, at no extra target forwards.
 
 A request that `continues` the completion just returned (the next turn of a conversation, whose prompt is the
 previous prompt + answer + a new user turn) goes into that completion's row and keeps its KV cache for the prefix
-the two share: only the new turn is prefilled (the default prepare's multi-turn rows re-read ~40% of its prompts).
+the two share: only the new turn is prefilled.
 """
 from __future__ import annotations
 

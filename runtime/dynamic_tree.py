@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from runtime.draft_head import DraftHead
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget
 from runtime.sampling import SamplingParams, warp
 from runtime.tree import DraftTree
 from runtime.verify import draw_children

@@ -23,7 +23,8 @@ import torch
 from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
 from runtime.cuda_graphs import StaticVerifier
 from runtime.device import synchronizer
-from runtime.drafter import DraftBudget, Drafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as

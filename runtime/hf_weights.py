@@ -138,3 +138,37 @@ def hf_causal_lm(model: Transformer, **config_overrides):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     hf.load_state_dict(weights, strict=True)
     return hf.eval().requires_grad_(False)
+
+
+def llama_layer_problem(cfg: ModelConfig) -> str | None:
+    """Why one of our decoder blocks of `cfg` cannot be written as an HF Llama decoder layer; None if it can."""
+    if cfg.qk_norm or cfg.sliding_window is not None:
+        return (f"a {cfg.arch} layer (qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}) has no Llama "
+                "equivalent; expected a llama-family target")
+    if cfg.qkv_bias != cfg.o_bias:  # Llama's attention_bias puts a bias on q, k, v and o alike
+        return f"q/k/v bias={cfg.qkv_bias} but o bias={cfg.o_bias}; a Llama layer has both or neither"
+    return None
+
+
+def llama_layer_names(cfg: ModelConfig, input_norm: bool = True) -> tuple[str, ...]:
+    """The tensor names of one HF Llama decoder layer of `cfg`, as an engine's loader maps them."""
+    names = ["post_attention_layernorm.weight"] + ["input_layernorm.weight"] * input_norm
+    for linear, hf_names in LINEARS.items():
+        biased = cfg.mlp_bias if linear.startswith("feed_forward") else cfg.qkv_bias
+        names += [f"{n}.{kind}" for n in hf_names for kind in ("weight", "bias")[:1 + biased]]
+    return tuple(sorted(names))
+
+
+def llama_layer_config(cfg: ModelConfig, dtype: torch.dtype, n_layers: int = 1) -> dict:
+    """HF LlamaConfig fields of a drafter's decoder layers, with the rope settings spelled as serving engines
+    (on transformers 4) read them: rope_theta and rope_scaling."""
+    s = cfg.rope_scaling
+    rope_scaling = None if s.kind == "default" else {k: v for k, v in hf_rope(cfg).items() if k != "rope_theta"}
+    return {"model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
+            "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+            # a drafter's lm_head is the target's (or its rows of the draft vocabulary): never tied to an embedding
+            "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch.")}

@@ -1,9 +1,8 @@
 """Keep freed host memory for reuse instead of handing large blocks back to the OS.
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh mmap and unmaps it at free,
-so each new tensor that large page-faults all its pages in again. Distill makes several [~1300, 8192] fp32 logits
-tensors (~42 MiB) per depth per step: a softmax over one took 30 ms instead of 9 ms on the 2-core AMD CI host, an
-index_select 25 instead of 4. With mmap off and a high trim threshold, freed blocks stay in the heap and the next
+so each new tensor that large page-faults all its pages in again, and distill makes several such logits tensors per
+step (docs/cpu.md has what that cost). With mmap off and a high trim threshold, freed blocks stay in the heap and the next
 tensor reuses them already faulted in.
 """
 from __future__ import annotations

@@ -20,17 +20,16 @@ from pathlib import Path
 
 import torch
 
-from runtime.drafter import DraftBudget, Drafter
+from runtime.budget import DraftBudget
+from runtime.drafter import Drafter
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 
 
-# How likely a continuation node is accepted, for DraftTree.scores: measured over 48 held-out conversations of
-# SmolLM2-135M-Instruct (greedy), the first node was accepted 61% of the time, each later one 82-95% of the time
-# its parent was (rising with depth), so P(depth d) ~ 0.61 * 0.87^(d-1): 0.23 at depth 8, as measured.
+# How likely a continuation node is accepted, for DraftTree.scores: P(depth d) ~ FIRST * NEXT^(d-1), as measured on
+# held-out conversations of the default target (docs/cpu.md)
 FIRST_ACCEPT, NEXT_ACCEPT = 0.61, 0.87
-# The same for a corpus continuation where the sequence had no match (the default's 720 training answers against
-# its 35 validation answers): 55% accepted first, then 57-85% its parent was, rising with depth.
+# The same for a corpus continuation where the sequence had no match
 CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT = 0.55, 0.7
 MAX_NGRAM = 4  # longest suffix matched, by default
 

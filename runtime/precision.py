@@ -2,12 +2,9 @@
 prepare's target pass and validate (data.precision and validate.precision, bf16 weights).
 
 bf16 halves the work only where the hardware computes bf16 products natively: CUDA GPUs that support it, and CPUs
-with AMX for everything (measured on this project's 2-core Sapphire Rapids CI kind: an EAGLE training step
-2.9 s -> 1.4 s; regeneration 1.8x faster). CPUs with AVX512_BF16 dot products but no AMX speed up large products
-only: on the 2-core AMD EPYC CI kind that has them, a [1300, 576] x [576, 8192] product takes 71 ms in fp32 and
-17 ms in bf16, a distill step 0.82 s -> 0.45 s under autocast, but regenerating the default data (32-row decode
-steps) took 403 s in bf16 against 382 s in fp32, so only training uses bf16 there.
-Elsewhere bf16 on a CPU is emulated and slower than fp32, so "auto" keeps fp32 there.
+with AMX for everything. CPUs with AVX512_BF16 dot products but no AMX speed up large products only, so only
+training uses bf16 there. Elsewhere bf16 on a CPU is emulated and slower than fp32, so "auto" keeps fp32 there
+(docs/cpu.md has the measurements).
 """
 from __future__ import annotations
 

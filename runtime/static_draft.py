@@ -1,9 +1,6 @@
 """An EAGLE drafter's greedy draft trees at static shapes: on a CUDA drafter, each propose is one CUDA graph replay
-(issue #8).
-
-On an H200 the eager propose of a depth-2 chain cost 3.2 ms per speculative step, about as much as the graphed
-verify (3.4 ms; docs/gpu.md, 2026-11-26): Python, a few dozen kernel launches and host reads for a drafter of one
-block. Captured, the whole propose is one launch with no host read: the committed pairs' causal step, then per
+An eager propose costs about as much as the graphed verify on a GPU (docs/gpu.md): Python, a few dozen kernel
+launches and host reads for a drafter of one block. Captured, the whole propose is one launch with no host read: the committed pairs' causal step, then per
 depth the draft head's top-`width` children of the nodes it expands and those nodes' own step.
 
 Same tree as EagleDrafter.propose under greedy (runtime.dynamic_tree.grow_tree, EAGLE-2), at static shapes:
@@ -24,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from runtime.cuda_graphs import BUCKETS, bucket_for, capture, check_static_inputs, compile_step, key_span, require_cuda
-from runtime.drafter import DraftBudget
+from runtime.budget import DraftBudget
 from runtime.dynamic_tree import tree_probs
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams
@@ -42,7 +39,7 @@ def tree_slots(budget: DraftBudget) -> int:
 class StaticEagleTree:
     def __init__(self, model, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, use_graph: bool = True,
                  warmup: int = 2, compile: bool = False):
-        """`model`: a runtime.eagle.EagleModel; `cache`: its KV cache (batch 1, full precision)."""
+        """`model`: a runtime.drafters.eagle.EagleModel; `cache`: its KV cache (batch 1, full precision)."""
         device = model.fc.weight.device
         require_cuda(device, use_graph, "drafter")
         check_static_inputs("StaticEagleTree", cache, buckets)

@@ -14,7 +14,7 @@ Then, untimed and greedy, the drafter runs once more with the whole configured t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 

@@ -17,7 +17,7 @@ import torch
 
 from runtime.attention import SpecAttnConfig
 from runtime.kv_cache import KVCache
-from runtime.model import Transformer, attention_mask
+from runtime.model import Taps, Transformer, attention_mask
 
 Out = TypeVar("Out")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly
@@ -122,10 +122,12 @@ class StaticVerifier:
 
     def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS,
                  use_graph: bool = True, warmup: int = 2, sparse: SpecAttnConfig | None = None,
-                 compile: bool = False):
+                 compile: bool = False, features: tuple[int, ...] = ()):
+        """`features`: what a step returns beside the logits (ForwardOutput.features: the drafter's read)."""
         require_cuda(model.device, use_graph)
         check_static_inputs("StaticVerifier", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
+        self.features = features
         self.sizes = tuple(sorted(set(buckets)))
         self.buckets: dict[tuple[int, bool], _Bucket] = {}  # (size, sparse): a sparse step is another graph
         self.offsets = torch.arange(max(buckets), device=model.device)
@@ -177,5 +179,6 @@ class StaticVerifier:
         kv_keep = None
         if b.sparse:  # new views every step: a backend lists their keys inside the graph, not from a stale call
             kv_keep = self.sparse.layer_keep(self.keep[..., :span] & (self.key_slot[:span] < cache.lengths[0] + size))
-        out = m.run_placed(b.tokens, cache, b.positions, slots, span, mask, kv_keep=kv_keep)
-        return out.logits, out.hidden
+        out = m.run_placed(b.tokens, cache, b.positions, slots, span, mask, taps=Taps.entering(self.features),
+                           kv_keep=kv_keep)
+        return out.logits, out.features(self.features)

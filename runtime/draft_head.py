@@ -1,6 +1,7 @@
-"""The frozen projection from draft features to token logits: the target's own lm_head, optionally restricted
-to a reduced draft vocabulary (EAGLE-3's d2t/t2d). On a 135M target the full lm_head is a fifth of a target
-step, so a drafter that calls it every draft step pays dearly; a few thousand frequent tokens cover most text.
+"""The projection from draft features to token logits over a draft vocabulary: the target's own lm_head (frozen),
+or a trained copy of it with its final norm (EAGLE-3), optionally restricted to a reduced draft vocabulary
+(EAGLE-3's d2t/t2d). The full lm_head costs a drafter that calls it every draft step dearly; a few thousand
+frequent tokens cover most text.
 """
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from runtime.cpu_packing import Packable
 
 
 class DraftHead(nn.Module, Packable):
-    def __init__(self, lm_head_weight: torch.Tensor, keep_ids: torch.Tensor | None = None):
+    def __init__(self, lm_head_weight: torch.Tensor, keep_ids: torch.Tensor | None = None,
+                 norm: nn.Module | None = None):
+        """`norm`: a trained head, whose weight (a copy of the rows kept) and final norm are parameters saved with
+        the drafter; None: the target's lm_head as it is, frozen and never saved."""
         super().__init__()
         self.vocab_size = lm_head_weight.shape[0]
         if keep_ids is not None:
@@ -21,8 +25,11 @@ class DraftHead(nn.Module, Packable):
             weight = lm_head_weight[keep_ids]
         else:
             weight = lm_head_weight
-        # Not parameters: the target's lm_head is frozen and is never saved with a drafter.
-        self.register_buffer("weight", weight.detach(), persistent=False)
+        if norm is None:  # the target's lm_head: frozen, never saved with a drafter
+            self.register_buffer("weight", weight.detach(), persistent=False)
+        else:
+            self.weight = nn.Parameter(weight.detach().clone())
+        self.norm = norm
         self.register_buffer("keep_ids", keep_ids, persistent=False)
 
     @property
@@ -31,7 +38,7 @@ class DraftHead(nn.Module, Packable):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., Vd]."""
-        return self.linear(h, None)
+        return self.linear(h if self.norm is None else self.norm(h), None)
 
     def to_target(self, draft: torch.Tensor) -> torch.Tensor:
         """Scatter per-draft-token values (probabilities) into the full target vocabulary, zeros elsewhere."""

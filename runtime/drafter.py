@@ -26,7 +26,9 @@ class Drafter(abc.ABC):
     """
 
     vocab_size: int
-    needs_features: bool = False  # True: the engine passes target last hidden states (after the final norm)
+    needs_features: bool = False  # True: the engine passes what the drafter reads of each target forward:
+    # the residual streams entering `feature_layers`, concatenated, or with () the final hidden (after its norm)
+    feature_layers: tuple[int, ...] = ()
     # True: propose() also gathers draft_attention(); only SpecAttn verification reads it (the engine sets it)
     track_attention: bool = False
 
@@ -87,6 +89,15 @@ class DrafterKind:
         """drafter_config.json: with the weights, everything `module` needs to rebuild a trained drafter.
         `settings`: the run's drafter section (pipeline.config.DrafterCfg)."""
         raise NotImplementedError
+
+    def streams(self, settings: Any, n_layers: int) -> tuple[int, ...]:
+        """The target layers whose entering residual streams this kind reads beside the final hidden state (prepare
+        caches them); ValueError where `settings` name layers a target `n_layers` deep does not have."""
+        return ()
+
+    def reads(self, module: nn.Module) -> tuple[int, ...]:
+        """The layers whose entering residual streams a trained module of this kind reads (streams, once built)."""
+        return ()
 
     def module(self, config: dict, target: Transformer, max_len: int, keep_ids: Tensor | None) -> nn.Module:
         """The untrained module a config describes; `keep_ids`: its reduced draft vocabulary, if any."""

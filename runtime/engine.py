@@ -157,10 +157,13 @@ class Engine:
             drafter.track_attention = cfg.sparse is not None
         self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup, corpus=cfg.lookup_corpus) \
             if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
+        # what the drafter reads of each target forward: the residual streams entering these layers, or () the
+        # final hidden states
+        self.features = drafter.feature_layers if drafter is not None and drafter.needs_features else ()
         self.static = None
         if cfg.static_verify:
             on_gpu = target.device.type == "cuda"
-            self.static = StaticVerifier(target, self.cache, use_graph=on_gpu, sparse=cfg.sparse,
+            self.static = StaticVerifier(target, self.cache, use_graph=on_gpu, sparse=cfg.sparse, features=self.features,
                                          compile=cfg.compile_static)
             if drafter is not None:
                 drafter.use_static(use_graph=on_gpu, compile=cfg.compile_static)
@@ -176,7 +179,8 @@ class Engine:
 
         n = len(prompt_ids)
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        logits, hidden = target(prompt[None], cache, torch.arange(n, device=device)[None], last_logits_only=True)
+        logits, hidden = target(prompt[None], cache, torch.arange(n, device=device)[None], last_logits_only=True,
+                                features=self.features)
         cache.advance(n)
         root = verify(DraftTree.empty(device), logits[0], params, generator).next_token
         out = [root]
@@ -223,7 +227,7 @@ class Engine:
             if self.static is not None:
                 logits, hidden = self.static(tokens, positions, tree_mask, keep, cached=n_cached)
             else:
-                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers)
+                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers, features=self.features)
             stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             stats.verify_s += clock.lap()

@@ -90,9 +90,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Taps:
-    """Extra outputs for drafter training and calibration; the plain forward captures nothing."""
+    """Extra outputs for drafters, their training and calibration; the plain forward captures nothing."""
     hidden_layers: tuple[int, ...] = ()  # residual stream after these blocks (0-based), [B, T, dim]
     attention_layers: tuple[int, ...] = ()  # softmax attention weights of these blocks, [B, heads, T, keys]
+
+    @staticmethod
+    def entering(layers: tuple[int, ...]) -> "Taps":
+        """The residual streams entering `layers` (layer k's input is block k-1's output; k >= 1)."""
+        return Taps(hidden_layers=tuple(k - 1 for k in layers))
 
 
 @dataclass
@@ -101,6 +106,15 @@ class ForwardOutput:
     hidden: Tensor  # [B, T, dim] after the final norm
     layer_hidden: dict[int, Tensor] = field(default_factory=dict)
     attention: dict[int, Tensor] = field(default_factory=dict)
+
+    def features(self, layers: tuple[int, ...]) -> Tensor:
+        """What a drafter reads of this forward: the residual streams entering `layers`, concatenated in that order
+        [B, T, len(layers) * dim] (the forward ran with Taps.entering(layers)); () : the final hidden [B, T, dim]."""
+        return torch.cat([self.layer_hidden[k - 1] for k in layers], -1) if layers else self.hidden
+
+    def with_streams(self, layers: tuple[int, ...]) -> Tensor:
+        """What training reads: the final hidden state, then the residual streams entering `layers`."""
+        return torch.cat([self.hidden] + [self.layer_hidden[k - 1] for k in layers], -1)
 
 
 class NoCache:
@@ -253,12 +267,15 @@ class Transformer(nn.Module):
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None,
-                *, last_logits_only: bool = False, kv_keep: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
-        """tokens, positions [B, T] -> (logits [B, T, V] or [B, 1, V], hidden [B, T, dim]). Writes KV at
-        cache.lengths + t but does not advance: the caller decides what is committed. kv_keep: per layer the keys
-        sparse (SpecAttn) verification reads, see Attention.forward; None: dense."""
-        out = self.run(tokens, cache, positions, tree_mask, last_logits_only=last_logits_only, kv_keep=kv_keep)
-        return out.logits, out.hidden
+                *, last_logits_only: bool = False, kv_keep: list[Tensor | None] | None = None,
+                features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+        """tokens, positions [B, T] -> (logits [B, T, V] or [B, 1, V], hidden [B, T, dim], or the residual
+        streams entering the `features` layers: ForwardOutput.features). Writes KV at cache.lengths + t but does not
+        advance: the caller decides what is committed. kv_keep: per layer the keys sparse (SpecAttn) verification
+        reads, see Attention.forward; None: dense."""
+        out = self.run(tokens, cache, positions, tree_mask, taps=Taps.entering(features),
+                       last_logits_only=last_logits_only, kv_keep=kv_keep)
+        return out.logits, out.features(features)
 
     def run(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None, *,
             taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False,

@@ -39,7 +39,7 @@ def tree_slots(budget: DraftBudget) -> int:
 class StaticEagleTree:
     def __init__(self, model, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, use_graph: bool = True,
                  warmup: int = 2, compile: bool = False):
-        """`model`: a runtime.drafters.eagle.EagleModel; `cache`: its KV cache (batch 1, full precision)."""
+        """`model`: an EAGLE model (runtime.eagle_drafting.EagleBase); `cache`: its KV cache (batch 1, full precision)."""
         device = model.fc.weight.device
         require_cuda(device, use_graph, "drafter")
         check_static_inputs("StaticEagleTree", cache, buckets)
@@ -47,7 +47,7 @@ class StaticEagleTree:
         self.buckets = tuple(sorted(set(buckets)))
         largest = self.buckets[-1]
         self.tokens = torch.zeros(1, largest, dtype=torch.long, device=device)
-        self.features = torch.zeros(1, largest, model.cfg.dim, dtype=model.fc.weight.dtype, device=device)
+        self.features = torch.zeros(1, largest, model.feature_dim, dtype=model.fc.weight.dtype, device=device)
         self.n_pending = torch.ones(1, dtype=torch.long, device=device)
         self.key_slot = torch.arange(cache.max_len, device=device)  # also the offsets of pending pairs and nodes
         self.graphs: dict[tuple[int, DraftBudget, int], tuple[torch.cuda.CUDAGraph, Tensors]] = {}

@@ -59,7 +59,8 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
     the layer map, which are renormalised over x_1..)."""
     T = ids.numel()
     layers = tuple(range(target.config.n_layers))
-    out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=Taps(attention_layers=layers))
+    taps = Taps(hidden_layers=Taps.entering(kind.reads(model)).hidden_layers, attention_layers=layers)
+    out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps)
     att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers]))
     att_d = kind.draft_attention(model, out, ids)
     return CalibrationRow(ids, att_t.float(), att_d.float(), next_token_nll(out.logits, ids))

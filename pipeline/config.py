@@ -53,6 +53,9 @@ class DrafterCfg(Section):
     lm_init: Literal["target", "random"] = "target"  # lm: start from the target's embeddings and first layers
     lm_base: str | None = None  # lm: an existing small causal LM (HF dir or hub id) to LoRA-tune instead
     lora_rank: int = Field(16, ge=1)  # lm_base: peft LoRA rank
+    # eagle3: the target layers whose entering residual streams it fuses (low, middle, high; vLLM's count);
+    # None: 2, L/2 and L-3
+    aux_layers: list[int] | None = None
 
 
     @field_validator("kind")
@@ -73,7 +76,9 @@ class DistillCfg(Section):
     weight_decay: float = Field(1.0, ge=0)  # AdamW's, on weight matrices: the eagle head memorises its few rows
     ckpt_every: int = Field(250, ge=1)
     noise: float = Field(0.1, ge=0)  # eagle: uniform noise on input features
-    ttt_depth: int = Field(2, ge=1)  # eagle: draft depths trained the way they are drafted (1 = teacher forcing)
+    # eagle, eagle3: draft depths trained the way they are drafted (1 = teacher forcing); None: the kind's default
+    ttt_depth: int | None = Field(None, ge=1)
+    ttt_decay: float | None = Field(None, gt=0, le=1)  # eagle, eagle3: depth d's loss weighs decay**(d-1); None: kind's
     token_candidates: int = Field(8, ge=0)  # eagle: soft CE over the batch goals' top-k ids only (0: all)
     eval_every: int = Field(250, ge=0)  # steps between simulated-tau evaluations on validation rows (0: end only)
     eval_rows: int = Field(16, ge=1)  # validation rows in each evaluation

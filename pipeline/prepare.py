@@ -7,8 +7,11 @@ the inputs digest, so a killed prepare resumes; they are removed once the stage 
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+
+from pipeline.errors import DraftsmithError
 
 from pipeline.runstore import StageResult
 from pipeline.stages import StageContext
@@ -56,6 +59,28 @@ def run_prepare(ctx: StageContext) -> StageResult:
                                                  **{f"dropped_{k}": v for k, v in dropped.items()}}, message=msg)
 
 
+def drafter_streams(cfg, n_layers: int) -> tuple[int, ...]:
+    """The residual streams the configured drafter kind reads beside the final hidden state: the feature cache
+    holds them too."""
+    from runtime.drafters import get_kind
+
+    try:
+        return get_kind(cfg.drafter.kind).streams(cfg.drafter, n_layers)
+    except ValueError as e:  # layer ids the target does not have: a config error
+        raise DraftsmithError(str(e)) from None
+
+
+def cached_streams(cfg) -> dict:
+    """What prepare's digest covers beyond its sections: the streams the feature cache holds."""
+    from pipeline.sources import resolve_target
+
+    if not cfg.data.cache_hidden:
+        return {}
+    n_layers = json.loads((resolve_target(cfg.target) / "config.json").read_text())["num_hidden_layers"]
+    streams = drafter_streams(cfg, n_layers)
+    return {"streams": list(streams)} if streams else {}
+
+
 def work_dir(ctx: StageContext) -> Path:
     return ctx.store.dir / f".prepare-work-{ctx.digest[:16]}"
 
@@ -70,16 +95,17 @@ def target_pass(ctx: StageContext, target, tokenizer, conversations: list[list[d
     from train.shards import merge_shards
 
     d = ctx.cfg.data
+    streams = drafter_streams(ctx.cfg, target.config.n_layers) if d.cache_hidden else ()
     if d.regenerate:
         settings = RegenSettings(max_length=d.max_length, max_new_tokens=d.regen_max_new_tokens,
                                  min_assistant_tokens=d.min_assistant_tokens, batch_size=d.regen_batch_size,
                                  params=SamplingParams(temperature=d.regen_temperature), keep_hidden=d.cache_hidden,
-                                 seed=ctx.cfg.run.seed)
+                                 seed=ctx.cfg.run.seed, streams=streams)
         regenerate(target, tokenizer, conversations, work, settings, stop_ids(tokenizer))
         return merge_shards(work)
     dropped: dict[str, int] = {}
     rows = TokenizedSet.from_rows(tokenize_rows(tokenizer, conversations, d.max_length, d.min_assistant_tokens,
                                                 dropped, "prepare: tokenize"))
-    cache_features(target, rows, work, d.regen_batch_size)
+    cache_features(target, rows, work, d.regen_batch_size, streams)
     merged, features, _ = merge_shards(work)
     return merged, features, dropped

@@ -77,15 +77,20 @@ class Stage:
     name: str
     sections: tuple[str, ...]  # config sections it reads (beside those of every stage before it)
     impl: str  # "module:function" taking a StageContext
+    derived: str | None = None  # "module:function" of the Config: what else it reads, folded into its digest
 
     def run(self, ctx: StageContext) -> StageResult:
         # imported only when the stage runs: `pipeline status` and the DAG never pay for torch/mlflow imports
-        module, function = self.impl.split(":")
-        return getattr(importlib.import_module(module), function)(ctx)
+        return _function(self.impl)(ctx)
+
+
+def _function(path: str):
+    module, function = path.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", ("target", "data", "run"), "pipeline.prepare:run_prepare"),
+    Stage("prepare", ("target", "data", "run"), "pipeline.prepare:run_prepare", "pipeline.prepare:cached_streams"),
     Stage("distill", ("drafter", "distill"), "pipeline.distill:run_distill"),
     Stage("calibrate", ("calibrate", "validate"), "export.calibrate.stage:run_calibrate"),
     Stage("export", ("export",), "pipeline.export_stage:run_export"),
@@ -119,7 +124,9 @@ def inputs_digest(stage: Stage, cfg: Config, store: RunStore) -> str:
     dump = cfg.model_dump(mode="json")
     prev = previous(stage)
     upstream = store.record(prev.name)["inputs_digest"] if prev else None
-    return digest_json({"stage": stage.name, "config": {k: dump[k] for k in stage.sections}, "upstream": upstream})
+    derived = _function(stage.derived)(cfg) if stage.derived else {}
+    return digest_json({"stage": stage.name, "config": {k: dump[k] for k in stage.sections}, "upstream": upstream}
+                       | ({"derived": derived} if derived else {}))
 
 
 def check_ready(stage: Stage, store: RunStore) -> None:

@@ -18,7 +18,7 @@ from typing import Hashable
 import torch
 from torch import Tensor
 
-from runtime.model import Transformer
+from runtime.model import Taps, Transformer
 from runtime.sampling import SamplingParams, sample, warp
 
 
@@ -59,10 +59,13 @@ class _Resident:
 class BatchGenerator:
     def __init__(self, target: Transformer, batch_size: int, params: SamplingParams = SamplingParams(),
                  stop_ids: tuple[int, ...] = (), keep_hidden: bool = False, max_len: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, streams: tuple[int, ...] = ()):
+        """`keep_hidden`: every completion carries the target's final hidden state and the residual streams
+        entering the `streams` layers, at every position (ForwardOutput.with_streams)."""
         if batch_size < 1:
             raise ValueError(f"BatchGenerator: batch_size={batch_size}, expected >= 1")
         self.target, self.params, self.stop, self.keep_hidden = target, params, set(stop_ids), keep_hidden
+        self.streams = streams
         self.generator = generator
         self.cache = target.new_cache(batch_size, max_len or target.max_seq_len)
         self.rows: list[_Row | None] = [None] * batch_size
@@ -102,7 +105,7 @@ class BatchGenerator:
             return done
         cache = self.cache.rows_view(0, n)
         tokens = torch.tensor([[row.tokens[-1]] for row in self.rows[:n]], device=self.target.device)
-        logits, hidden = self.target(tokens, cache, cache.lengths[:, None].clone())
+        logits, hidden = self._forward(tokens, cache, cache.lengths[:, None].clone())
         cache.advance(1)
         next_tokens = self._pick(logits[:, 0]).tolist()
         for b in range(n):
@@ -116,6 +119,11 @@ class BatchGenerator:
             if row.flushing and not self.keep_hidden:
                 done.append(self._finish(b, row))
         return done
+
+    def _forward(self, tokens, cache, positions, last_logits_only: bool = False):
+        out = self.target.run(tokens, cache, positions, taps=Taps.entering(self.streams),
+                              last_logits_only=last_logits_only)
+        return out.logits, out.with_streams(self.streams)
 
     def _continuations(self) -> list[tuple[int, Request]]:
         """Queued requests that continue a row finished since the last fill, taken off the queue, with that row."""
@@ -150,7 +158,7 @@ class BatchGenerator:
         view = self.cache.row(b)
         view.lengths.fill_(reused)
         ids = torch.tensor([request.prompt[reused:]], dtype=torch.long, device=device)
-        logits, hidden = self.target(ids, view, torch.arange(reused, n, device=device)[None], last_logits_only=True)
+        logits, hidden = self._forward(ids, view, torch.arange(reused, n, device=device)[None], last_logits_only=True)
         view.advance(n - reused)
         self.prompt_tokens, self.reused_tokens = self.prompt_tokens + n, self.reused_tokens + reused
         row = _Row(request, [])

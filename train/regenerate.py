@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from runtime.batch_generate import BatchGenerator, Completion, Request
-from runtime.model import Transformer
+from runtime.model import Taps, Transformer
 from runtime.sampling import SamplingParams
 from train.data import TokenizedSet, tokenize_prompt
 from train.shards import Row, ShardWriter, done_keys, feature_bytes
@@ -31,6 +31,7 @@ class RegenSettings:
     batch_size: int
     params: SamplingParams
     keep_hidden: bool  # also store the target's features (the offline cache)
+    streams: tuple[int, ...] = ()  # and the residual streams entering these layers (ForwardOutput.with_streams)
     seed: int = 0
     shard_rows: int = 64  # finished conversations per resumable shard
 
@@ -71,11 +72,11 @@ def regenerate(target: Transformer, tokenizer, conversations: list[list[dict]], 
     done = done_keys(work)
     todo = [_Conversation(i, opening_at_user(turns)) for i, turns in enumerate(conversations) if i not in done]
     if s.keep_hidden:
-        bound = feature_bytes(len(todo) * s.max_length, target.config.dim)
+        bound = feature_bytes(len(todo) * s.max_length, target.config.dim * (1 + len(s.streams)))
         print(f"prepare: hidden-state cache for {len(todo)} conversations, at most {bound / 2**20:.0f} MiB (fp16)")
     writer = ShardWriter(work, s.shard_rows)
     gen = BatchGenerator(target, s.batch_size, s.params, stop_ids, s.keep_hidden, max_len=s.max_length,
-                         generator=torch.Generator().manual_seed(s.seed))
+                         generator=torch.Generator().manual_seed(s.seed), streams=s.streams)
     active: dict[int, _Conversation] = {}
     for conv in todo:
         request = next_request(conv, tokenizer, s)
@@ -120,13 +121,15 @@ def _answered(conv: _Conversation, c: Completion, tokenizer, s: RegenSettings, g
 
 
 @torch.inference_mode()
-def cache_features(target: Transformer, ts: TokenizedSet, work: Path, batch_size: int) -> None:
-    """The offline cache without regeneration: one frozen target pass over the train rows, into shards."""
+def cache_features(target: Transformer, ts: TokenizedSet, work: Path, batch_size: int,
+                   streams: tuple[int, ...] = ()) -> None:
+    """The offline cache without regeneration: one frozen target pass over the train rows, into shards (the final
+    hidden states and the residual streams entering the `streams` layers)."""
     done = done_keys(work)
     todo = [i for i in range(len(ts)) if i not in done]
     tokens = sum(ts.row(i)[0].numel() for i in todo)
-    print(f"prepare: hidden-state cache for {len(todo)} rows, {feature_bytes(tokens, target.config.dim) / 2**20:.0f}"
-          " MiB (fp16)")
+    size = feature_bytes(tokens, target.config.dim * (1 + len(streams)))
+    print(f"prepare: hidden-state cache for {len(todo)} rows, {size / 2**20:.0f} MiB (fp16)")
     todo.sort(key=lambda i: ts.row(i)[0].numel())  # similar lengths per batch: little padding
     writer = ShardWriter(work)
     with tqdm(total=tokens, desc="prepare: target features", unit="tok", unit_scale=True, mininterval=2.0) as bar:
@@ -138,7 +141,7 @@ def cache_features(target: Transformer, ts: TokenizedSet, work: Path, batch_size
                 ids[b, :row_ids.numel()] = row_ids  # right padding: causal attention never sees it
             positions = torch.arange(T).expand(len(rows), T)
             hidden = target.run(ids.to(target.device), target.new_cache(len(rows), T), positions.to(target.device),
-                                no_logits=True).hidden
+                                taps=Taps.entering(streams), no_logits=True).with_streams(streams)
             for b, (key, (row_ids, mask)) in enumerate(zip(todo[start:start + batch_size], rows)):
                 n = row_ids.numel()
                 writer.add(Row(key, row_ids.tolist(), mask.int().tolist(), hidden[b, :n].cpu()))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from runtime.attention import pick_backend
-from runtime.drafters.eagle import EagleModel
+from runtime.eagle_drafting import EagleBase
 
 
 MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the default's is ~42 MB)
@@ -67,7 +67,7 @@ def unroll_mask(n: int, depth: int, device: torch.device) -> Tensor:
     return torch.cat([causal] + [chain] * (depth - 1), dim=1)[None, None]
 
 
-def unroll(model: EagleModel, ids: Tensor, inputs: Tensor, depth: int,
+def unroll(model: EagleBase, ids: Tensor, inputs: Tensor, depth: int,
            wanted: list[Tensor] | None = None) -> list[Tensor]:
     """ids [B, T], input features [B, T-1, H] (f_0..f_{T-2}) -> per depth d the predictions [B, T-1, H], row j
     predicting f_{j+d}. Tokens past the row's end are padding; callers mask those rows out.

@@ -1,0 +1,170 @@
+"""The eagle3 drafter kind on a tiny 8-layer target: it learns and stays lossless through the bundle, drafts the same
+trees at static shapes, reads the residual streams the engine taps (eager and static verify), trains on the same
+features offline and online, exports its ONNX step, and refuses a bundle made for a target of another depth."""
+import pytest
+import torch
+
+from export.bundle import write_bundle
+from helpers import self_distilled_rows
+from runtime.budget import DraftBudget
+from runtime.bundle import BundleError, read_bundle
+from runtime.batch_generate import BatchGenerator, Request
+from runtime.drafters import build_drafter, drafter_config, drafter_tensors
+from runtime.drafters.eagle3 import Eagle3Model, aux_layers
+from runtime.eagle_drafting import EagleDrafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Taps, Transformer
+from runtime.sampling import SamplingParams
+from runtime.static_draft import StaticEagleTree
+from train.batches import Batches
+from train.recipes import get_recipe
+from train.target_outputs import target_features
+from train.trainer import TrainSpec, train
+
+LAYERS, VOCAB = 8, 96
+
+
+class Settings:
+    """The drafter and distill sections as a recipe reads them."""
+    aux_layers, depth, token_candidates, ttt_depth, ttt_decay = None, 4, 0, 2, None
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir):
+    # a large init makes next-token distributions peaked, as a trained model's are
+    return tiny_model_dir("llama", num_hidden_layers=LAYERS, tie_word_embeddings=True, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Transformer.from_pretrained(target_dir, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def rows(target):
+    return self_distilled_rows(target, rows=24, prompt_vocab=VOCAB, new_tokens=40)
+
+
+def randomised(target: Transformer) -> Eagle3Model:
+    model = Eagle3Model.from_target(target, torch.arange(0, VOCAB, 2), aux_layers(None, LAYERS))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every weight off its pass-through init: every token, position and key matters
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def random_eagle3(target):
+    return randomised(target)  # drafters prepack it for the CPU: tests that export build their own
+
+
+def test_eagle3_learns_and_stays_lossless_through_its_bundle(target, rows, tmp_path):
+    keep = torch.arange(0, VOCAB)
+    recipe = get_recipe("eagle3")
+    model = recipe.build(target, Settings, Settings, keep)
+    assert model.aux_layers == (2, 4, 5)
+    history = []
+    train(model, recipe.loss(target, Settings, Settings, keep), Batches(rows, 8, seed=0),
+          TrainSpec(steps=60, lr=3e-3, warmup=2), tmp_path / "ckpt", log=lambda step, m: history.append(m))
+    assert history[-1]["loss"] < 0.8 * history[0]["loss"] and history[-1]["top1"] > history[0]["top1"] + 0.1
+    assert history[0]["feature_loss"] == 0.0  # tokens only: no feature regression
+
+    config = drafter_config("eagle3", model, keep.numel(), Settings)
+    assert config == {"kind": "eagle3", "aux_layers": [2, 4, 5], "target_layers": LAYERS, "draft_vocab": VOCAB}
+    write_bundle(tmp_path / "bundle", config, drafter_tensors(model, keep), target_fingerprint="t", data_digest="d",
+                 config={}, code_version="test")
+    drafter = build_drafter(read_bundle(tmp_path / "bundle", "t"), target, 320)
+    assert drafter.feature_layers == (2, 4, 5)
+    plain = Engine(target, None, EngineConfig(max_seq_len=256))
+    spec = Engine(target, drafter, EngineConfig(max_seq_len=256, budget=DraftBudget(3, 2, 6), adaptive=False))
+    taus = []
+    for i in range(3):  # prompts it was trained on: a 60-step drafter of a random target does not generalise
+        prompt = rows.row(i)[0][:6].tolist()
+        got = spec.generate(prompt, 30, SamplingParams())
+        assert got.tokens == plain.generate(prompt, 30, SamplingParams()).tokens
+        taus.append(got.metrics.tau)
+    assert sum(taus) / len(taus) > 1.2  # accepted beyond the bonus token
+
+
+def test_a_bundle_for_a_target_of_another_depth_is_refused(target, tiny_model_dir, tmp_path, random_eagle3):
+    config = drafter_config("eagle3", random_eagle3, VOCAB // 2, Settings)
+    write_bundle(tmp_path / "b", config, drafter_tensors(random_eagle3, random_eagle3.head.keep_ids),
+                 target_fingerprint="t", data_digest="d", config={}, code_version="test")
+    shallower = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=6), max_seq_len=64)
+    with pytest.raises(BundleError, match="chosen for a target of 8 layers, this one has 6"):
+        build_drafter(read_bundle(tmp_path / "b"), shallower, 64)
+
+
+def test_the_engine_feeds_eagle3_the_streams_of_every_verify(target, random_eagle3):
+    """What the drafter's committed pairs carry equals the target's streams at those positions: the prefill's and
+    each verify's accepted rows, eager and at static shapes (which return the streams from inside the step)."""
+    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    seen = []
+    for static in (False, True):
+        drafter = EagleDrafter(random_eagle3, 256)
+        commit, reset = drafter.commit, drafter.reset
+        pairs = []
+        drafter.reset = lambda t, f: pairs.append(f) or reset(t, f)
+        drafter.commit = lambda t, f: pairs.append(f) or commit(t, f)
+        engine = Engine(target, drafter, EngineConfig(max_seq_len=256, budget=DraftBudget(3, 2, 5), adaptive=False,
+                                                      static_verify=static))
+        out = engine.generate(prompt, 24, SamplingParams())
+        seen.append((out.tokens, torch.cat(pairs)))
+    tokens, features = seen[0]
+    assert seen[1][0] == tokens
+    # the same streams; fp32 sums over a static key span round a little differently from the live keys'
+    torch.testing.assert_close(seen[1][1], features, rtol=1e-3, atol=1e-3)
+    ids = torch.tensor(prompt + tokens)[None]
+    with torch.no_grad():
+        full = target.run(ids, target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None],
+                          taps=Taps.entering((2, 4, 5)))
+    streams = full.features((2, 4, 5))[0, :features.shape[0]]  # pair j carries position j's streams
+    torch.testing.assert_close(features, streams, rtol=1e-3, atol=1e-3)
+
+
+def test_static_trees_are_the_eager_trees(target, random_eagle3):
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats = target.run(ids[None], target.new_cache(1, 32), torch.arange(30)[None],
+                           taps=Taps.entering((2, 4, 5))).features((2, 4, 5))[0]
+    eager, static = EagleDrafter(random_eagle3, 64), EagleDrafter(random_eagle3, 64)
+    static.static = StaticEagleTree(random_eagle3, static.cache, use_graph=False)
+    for d in (eager, static):
+        d.reset(ids[:11], feats[:10])
+    pos = 11
+    for budget, n_commit in ((DraftBudget(3), 2), (DraftBudget(4, 2), 3), (DraftBudget(2, 4, 6), 1)):
+        trees = [d.propose(budget, SamplingParams()) for d in (eager, static)]
+        assert trees[1].tokens.tolist() == trees[0].tokens.tolist() and len(trees[0]) == budget.max_nodes
+        assert trees[1].parents.tolist() == trees[0].parents.tolist()
+        torch.testing.assert_close(trees[1].scores, trees[0].scores)
+        for d in (eager, static):
+            d.commit(ids[pos:pos + n_commit], feats[pos - 1:pos - 1 + n_commit])
+        pos += n_commit
+
+
+def test_training_reads_the_same_streams_from_the_cache_as_online(target, rows):
+    """prepare's cache ([final hidden; streams], from the continuous-batching generator) gives the loss the online
+    target pass gives; a cache without the streams is refused."""
+    gen = BatchGenerator(target, 2, keep_hidden=True, streams=(2, 4, 5), max_len=128)
+    gen.submit(Request("a", rows.row(0)[0][:10].tolist(), 8))
+    (done,) = [c for _ in range(20) for c in gen.step()]
+    ids = torch.tensor(done.prompt + done.tokens)[None]
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    online = target_features(target, batch, (2, 4, 5))
+    cached = target_features(target, {**batch, "features": done.hidden[None]}, (2, 4, 5))
+    # one token a step against one prefill: fp32 sums in another order
+    torch.testing.assert_close(cached.features, online.features, rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(cached.drafter_input, online.streams, rtol=1e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="holds 0 residual streams beside the final hidden state, this drafter reads 3"):
+        target_features(target, {**batch, "features": online.features}, (2, 4, 5))
+
+
+def test_eagle3_onnx_step_matches_onnxruntime(target, tmp_path):
+    from export.onnx_export import check_onnx_parity, example_inputs, export_onnx
+
+    model = randomised(target)
+    record = export_onnx(model, "eagle3", example_inputs(model, "eagle3", 2, 5), tmp_path / "d.onnx")
+    assert record["inputs"]["features"] == ["batch", "seq", 3 * model.cfg.dim]
+    parity = check_onnx_parity(model, "eagle3", tmp_path / "d.onnx", example_inputs(model, "eagle3", 1, 7, seed=1))
+    assert parity["passed"], parity

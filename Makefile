@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,airflow]'
+	# speculators (vLLM's drafter format library, which the tests load our export with), without its dependencies:
+	# its torchvision and torchaudio break the CPU torch; pyproject's dev extra lists what it imports
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps speculators==0.9.0
 	touch $@
 
 setup: $(STAMP)

@@ -76,10 +76,11 @@ def run_distill(ctx: StageContext) -> StageResult:
                      bf16_autocast=use_bf16(s.precision, target.device, training=True))
     # Checkpoints live outside the atomic stage dir, keyed by the inputs digest: a killed distill resumes.
     ckpt = ctx.store.dir / f".distill-ckpt-{ctx.digest[:16]}"
-    features = load_features(prep, "train", train_set.input_ids.numel())  # None: the target runs in training
+    streams = kind.streams(d, target.config.n_layers)
+    features = load_features(prep, "train", train_set.input_ids.numel(), streams)  # None: the target runs in training
     batches = Batches(train_set, s.batch_size, seed=ctx.cfg.run.seed, features=features)
     val = TokenizedSet.load(prep / "val.safetensors")
-    val_features = load_features(prep, "val", val.input_ids.numel())
+    val_features = load_features(prep, "val", val.input_ids.numel(), streams)
     val_batch = Batches(val, min(s.eval_rows, len(val)), seed=ctx.cfg.run.seed, features=val_features).batch_at(0)
     result = train(model, loss_fn, batches, spec, ckpt, log=mlflow_logger(),
                    eval_fn=recipe.evaluator(target, val_batch, d))

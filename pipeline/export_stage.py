@@ -20,6 +20,7 @@ from runtime.bundle import CONFIG, LOOKUP_CORPUS, WEIGHTS, read_bundle
 from runtime.drafters import WEIGHT_QUANT, get_kind
 
 BUNDLE_DIR = "bundle"
+ENGINES_DIR = "engines"  # the drafter in serving engines' layouts, beside the bundle
 CALIBRATION_SUFFIXES = (".json", ".png")  # calibrate's reports (layer_map.json, quant.json, plots)
 # Parity runs at other shapes than the export's example, so a dynamic axis baked into a constant fails it.
 ONNX_EXPORT_SHAPE, ONNX_PARITY_SHAPE = (2, 4), (1, 7)
@@ -94,6 +95,24 @@ def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path
     return {**record, "parity": parity}
 
 
+def engine_exports(ctx: StageContext, bundle_dir: Path, fingerprint: str) -> dict:
+    """The bundle's drafter in every serving-engine layout its kind can write (export/engine_formats.py), each in
+    engines/<format> beside the bundle: format -> its record, or why the format cannot express this drafter."""
+    from export.engine_formats import write_engine_exports
+    from pipeline.sources import verifier
+    from runtime.drafters import bundle_weights, drafter_module
+    from runtime.model import Transformer
+
+    bundle = read_bundle(bundle_dir, fingerprint)
+    if not get_kind(bundle.kind).weighted:
+        return {}
+    target = Transformer.from_pretrained(ctx.target_dir, max_seq_len=64)
+    config, tensors = bundle_weights(bundle, target.dtype)  # a quantised bundle's weights as the reader restores them
+    depth = bundle.served_budget(ctx.configured_budget()).tree.depth  # what the engine is told to draft
+    return write_engine_exports(bundle.kind, drafter_module(config, target, tensors, max_len=64),
+                                verifier(ctx.cfg.target, ctx.target_dir), ctx.out / ENGINES_DIR, depth)
+
+
 def run_export(ctx: StageContext) -> StageResult:
     from safetensors.torch import load_file
 
@@ -132,5 +151,11 @@ def run_export(ctx: StageContext) -> StageResult:
         manifest = write({**extra_files, ONNX_FILE: scratch}, {**extra_manifest, "onnx": onnx_record})
         scratch.unlink()
         metrics |= {"bundle_files": len(manifest["files"]), "onnx_max_rel_diff": onnx_record["parity"]["max_rel_diff"]}
-    return StageResult(outputs={"bundle": BUNDLE_DIR, "manifest": f"{BUNDLE_DIR}/manifest.json"}, metrics=metrics,
-                       message=f"{drafter_config['kind']} bundle: {', '.join(sorted(manifest['files']))}")
+    engines = engine_exports(ctx, bundle_dir, fingerprint)
+    written = sorted(name for name, record in engines.items() if isinstance(record, dict))
+    outputs = {"bundle": BUNDLE_DIR, "manifest": f"{BUNDLE_DIR}/manifest.json"}
+    if engines:
+        outputs["engine_formats"] = engines
+    return StageResult(outputs=outputs, metrics=metrics,
+                       message=f"{drafter_config['kind']} bundle: {', '.join(sorted(manifest['files']))}"
+                       + (f"; for serving engines: {', '.join(written)}" if written else ""))

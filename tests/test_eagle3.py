@@ -168,3 +168,58 @@ def test_eagle3_onnx_step_matches_onnxruntime(target, tmp_path):
     assert record["inputs"]["features"] == ["batch", "seq", 3 * model.cfg.dim]
     parity = check_onnx_parity(model, "eagle3", tmp_path / "d.onnx", example_inputs(model, "eagle3", 1, 7, seed=1))
     assert parity["passed"], parity
+
+
+def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_path):
+    """distill (with prepare's cache of the streams), calibrate (weights, KV, budget, SpecAttn), export (bundle,
+    ONNX, both engine layouts) and validate's gate, through the stage functions the CLI runs."""
+    import json
+
+    from export.calibrate.stage import CalibrateSettings, run_calibrate
+    from helpers import run_stage_on
+    from pipeline.config import Config
+    from pipeline.distill import run_distill
+    from pipeline.export_stage import run_export
+    from pipeline.runstore import RunStore, StageResult
+    from pipeline.validate import REPORT_JSON, run_validate
+    from train.shards import save_features
+
+    cfg = Config.model_validate({
+        "drafter": {"kind": "eagle3", "draft_vocab": 64, "depth": 3, "width": 2, "nodes": 6, "lookup": 4},
+        "distill": {"steps": 6, "batch_size": 4, "lr": 3e-3, "warmup": 1},
+        "calibrate": {"weight_schemes": ["int8"], "kv_schemes": ["int8"], "prompts": 2, "tokens": 32,
+                      "top_p": [0.9]},
+        "validate": {"num_prompts": 2, "max_new_tokens": 10, "gate": {"min_tau": 1.0, "min_speedup": 0.0}}})
+    store = RunStore(tmp_path / "runs", "r1")
+    target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+
+    def prepare(ctx):  # the self-distilled rows, and the cache prepare writes for an eagle3 drafter
+        features = []
+        for i in range(len(rows)):
+            ids = rows.row(i)[0][None]
+            with torch.no_grad():
+                out = target.run(ids, target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None],
+                                 taps=Taps.entering((2, 4, 5)))
+            features.append(out.with_streams((2, 4, 5))[0])
+        for split in ("train", "val"):
+            rows.save(ctx.out / f"{split}.safetensors")
+            save_features(torch.cat(features), ctx.out, split, (2, 4, 5))
+        return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"})
+
+    run_stage_on(store, "prepare", cfg, target_dir, prepare)
+    distilled = run_stage_on(store, "distill", cfg, target_dir, run_distill)
+    assert distilled["metrics"]["offline_features"] == 1 and distilled["message"].startswith("eagle3: tau")
+    calibrated = run_stage_on(store, "calibrate", cfg, target_dir,
+                              lambda ctx: run_calibrate(ctx, CalibrateSettings(tau_prompts=2, budget_prompts=2)))
+    assert {"quant", "kv_quant", "draft_budget", "specattn"} <= set(calibrated["outputs"])
+    exported = run_stage_on(store, "export", cfg, target_dir, run_export)
+    engines = exported["outputs"]["engine_formats"]
+    assert set(engines) == {"speculators-eagle3", "sglang-eagle3"}
+    assert all(isinstance(r, dict) for r in engines.values())  # both layouts express it
+    spec_dir = store.stage_dir("export") / "engines" / "speculators-eagle3"
+    assert json.loads((spec_dir / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    bundle = read_bundle(store.stage_dir("export") / "bundle")
+    assert bundle.manifest["onnx"]["parity"]["passed"] and bundle.manifest["onnx"]["kind"] == "eagle3"
+    validated = run_stage_on(store, "validate", cfg, target_dir, run_validate)
+    report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
+    assert validated["status"] == "completed" and report["metrics"]["lossless"] and report["drafter_kind"] == "eagle3"

@@ -4,8 +4,9 @@ Long prepare work (regeneration, the hidden-state pass) appends finished rows to
 each written atomically; a killed run is rerun and skips every key already in a shard. `merge_shards` then
 yields the rows in key order, so the result does not depend on where a run was interrupted.
 
-The feature cache stores the target's final-norm hidden state for every token of the train split, fp16, flat
-and aligned with `TokenizedSet.input_ids` (same offsets), split into files of about `SHARD_BYTES`.
+The feature cache stores the target's final-norm hidden state for every token of a split, then the residual streams
+entering the layers a drafter kind reads (runtime.model.ForwardOutput.with_streams; the layers are in each file's
+metadata), fp16, flat and aligned with `TokenizedSet.input_ids` (same offsets), in files of about `SHARD_BYTES`.
 """
 from __future__ import annotations
 
@@ -110,25 +111,38 @@ def feature_bytes(tokens: int, dim: int) -> int:
     return tokens * dim * 2  # fp16
 
 
-def save_features(features: torch.Tensor, out_dir: Path, split: str) -> list[str]:
-    """Flat [tokens, dim] features -> `out_dir/features/<split>-XXXXX.safetensors`; returns the relative paths."""
+def save_features(features: torch.Tensor, out_dir: Path, split: str, streams: tuple[int, ...] = ()) -> list[str]:
+    """Flat [tokens, (1 + len(streams)) * dim] features (the final hidden state, then the residual streams entering
+    the `streams` layers) -> `out_dir/features/<split>-XXXXX.safetensors`; returns the relative paths."""
     d = out_dir / FEATURES_DIR
     d.mkdir(parents=True, exist_ok=True)
     per_part = max(1, SHARD_BYTES // (features.shape[1] * 2))
     names = []
     for i, start in enumerate(range(0, features.shape[0], per_part)):
         name = f"{FEATURES_DIR}/{split}-{i:05d}.safetensors"
-        save_file({"features": features[start:start + per_part].to(torch.float16).contiguous()}, str(out_dir / name))
+        save_file({"features": features[start:start + per_part].to(torch.float16).contiguous()}, str(out_dir / name),
+                  metadata={"streams": json.dumps(list(streams))})
         names.append(name)
     return names
 
 
-def load_features(stage_dir: Path, split: str, expected_tokens: int) -> torch.Tensor | None:
-    """The cached features of a prepare output's split, or None when it has none (online distillation)."""
+def load_features(stage_dir: Path, split: str, expected_tokens: int,
+                  streams: tuple[int, ...] = ()) -> torch.Tensor | None:
+    """The cached features of a prepare output's split: the final hidden state and the residual streams entering the
+    `streams` layers, [tokens, (1 + len(streams)) * dim]; None when it has none (online distillation)."""
     parts = sorted((stage_dir / FEATURES_DIR).glob(f"{split}-*.safetensors"))
     if not parts:
         return None
+    with safe_open(str(parts[0]), "pt") as f:
+        cached = json.loads((f.metadata() or {}).get("streams", "[]"))
+    missing = [k for k in streams if k not in cached]
+    if missing:
+        raise ValueError(f"{stage_dir / FEATURES_DIR}: the cache holds the streams entering layers {cached}, not "
+                         f"{missing}; rerun prepare with --force")
     features = torch.cat([load_file(str(p))["features"] for p in parts])
+    if streams != tuple(cached):
+        chunks = features.chunk(1 + len(cached), -1)
+        features = torch.cat([chunks[0]] + [chunks[1 + cached.index(k)] for k in streams], -1)
     if features.shape[0] != expected_tokens:
         raise ValueError(f"{stage_dir / FEATURES_DIR}: {features.shape[0]} cached feature rows for "
                          f"{expected_tokens} {split} tokens; rerun prepare with --force")

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from runtime.budget import DraftBudget
 from runtime.cpu_packing import pack_for_cpu
 from runtime.draft_head import DraftHead
-from runtime.drafter import Drafter
+from runtime.drafter import Drafter, DrafterKind
 from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.kv_cache import KVCache
 from runtime.model import ForwardOutput, ModelConfig, NoCache, attention_mask, rope_tables
@@ -76,6 +76,16 @@ class EagleBase(nn.Module):
         n_live = int(cache.lengths.max()) + T
         mask = attention_mask(cache.lengths, positions, n_live, None)
         return self.step(tokens, features, positions, cache, cache.slots(T), n_live, mask, want_weights)
+
+
+@torch.no_grad()
+def open_circuit(block: nn.Module) -> None:
+    """Zero the block's two residual-branch outputs (wo, w2): it starts as the identity, and training opens the
+    branches gradually while their inner weights keep what they were initialised with."""
+    for out_proj in (block.attention.wo, block.feed_forward.w2):
+        out_proj.weight.zero_()
+        if out_proj.bias is not None:
+            out_proj.bias.zero_()
 
 
 def residual(x: Tensor, rows: Tensor | None) -> Tensor:
@@ -183,18 +193,27 @@ class EagleStep(nn.Module):
         return next_features, self.model.head(next_features)
 
 
-def draft_attention(module: EagleBase, target_out: ForwardOutput, ids: Tensor) -> Tensor:
-    """SpecAttn calibration (DrafterKind.draft_attention): [1, H, T, T] over the target's keys; query 0 has no pair."""
-    T = ids.numel()
-    features = target_out.features(module.aux_layers)[:, :-1]
-    _, att = module.causal_step(ids[None, 1:], features, module.new_cache(1, T - 1), want_weights=True)
-    return F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None]
+class EagleFamily(DrafterKind):
+    """What the EAGLE kinds share: the Drafter, the ONNX step, the attention SpecAttn calibrates on."""
 
+    attends = True
 
-def eagle_example(module: EagleBase, batch: int, seq: int, generator: torch.Generator) -> dict[str, Tensor]:
-    """Random inputs of an EAGLE ONNX step (DrafterKind.onnx_example)."""
-    return {"input_ids": torch.randint(0, module.embed_weight.shape[0], (batch, seq), generator=generator),
-            "features": torch.randn(batch, seq, module.feature_dim, generator=generator)}
+    def drafter(self, module, config, target, max_len, keep_ids):
+        return EagleDrafter(module, max_len)
+
+    def onnx_step(self, module):
+        return EagleStep(module)
+
+    def onnx_example(self, module: EagleBase, batch, seq, generator):
+        return {"input_ids": torch.randint(0, module.embed_weight.shape[0], (batch, seq), generator=generator),
+                "features": torch.randn(batch, seq, module.feature_dim, generator=generator)}
+
+    def draft_attention(self, module: EagleBase, target_out: ForwardOutput, ids: Tensor) -> Tensor:
+        """[1, H, T, T] over the target's keys; query 0 has no pair."""
+        T = ids.numel()
+        features = target_out.features(module.aux_layers)[:, :-1]
+        _, att = module.causal_step(ids[None, 1:], features, module.new_cache(1, T - 1), want_weights=True)
+        return F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None]
 
 
 def speculators_config(algorithm: str, verifier: dict, speculative_tokens: int) -> dict:

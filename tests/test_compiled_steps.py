@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
 from runtime.budget import DraftBudget
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams

@@ -5,7 +5,7 @@ import torch
 
 from runtime.budget import DraftBudget, ServedBudget
 from runtime.device_budget import choose_on_device, describe, ms_per_step
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from train.recipes.eagle import build_eagle

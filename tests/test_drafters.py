@@ -5,7 +5,7 @@ import torch
 from runtime.draft_head import DraftHead, frequent_token_ids
 from runtime.budget import DraftBudget
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 from train.recipes.eagle import build_eagle

@@ -223,3 +223,15 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
     validated = run_stage_on(store, "validate", cfg, target_dir, run_validate)
     report = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())
     assert validated["status"] == "completed" and report["metrics"]["lossless"] and report["drafter_kind"] == "eagle3"
+
+
+@pytest.mark.parametrize("layers,why", [("[2,4,99]", "[99] outside the target's layers 1..8"),
+                                        ("[5,4,2]", "3 distinct ascending layer ids")])
+def test_layer_ids_the_target_lacks_are_one_line_before_anything_runs(target_dir, tmp_path, capsys, layers, why):
+    from pipeline.cli import main
+
+    code = main(["run", "drafter.kind=eagle3", f"drafter.aux_layers={layers}", f"target={target_dir}",
+                 f"run.dir={tmp_path}"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and why in err and "Traceback" not in err
+    assert not any(tmp_path.glob("*/prepare"))  # refused before prepare ran

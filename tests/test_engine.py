@@ -11,7 +11,7 @@ from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_p
                                     weight_bytes_per_token)
 from runtime.budget import DraftBudget, ServedBudget
 from runtime.drafter import Drafter
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter

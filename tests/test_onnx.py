@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
-from runtime.drafters.eagle import EagleStep
+from runtime.eagle_drafting import EagleStep
 from runtime.model import Transformer
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa

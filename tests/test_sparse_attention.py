@@ -12,7 +12,7 @@ from helpers import run_in_triton_interpreter
 from runtime.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
 from runtime.budget import DraftBudget
 from runtime.drafter import Drafter
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.drafters.lm import LMDrafter
 from runtime.model import Taps, Transformer

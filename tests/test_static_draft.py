@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from runtime.budget import DraftBudget
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams

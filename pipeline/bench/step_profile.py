@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeline.bench.harness import device_name
 from runtime.draft_head import DraftHead
 from runtime.budget import ServedBudget
-from runtime.drafters.eagle import EagleDrafter, EagleModel
+from runtime.drafters.eagle import EagleModel
+from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
 

@@ -12,9 +12,8 @@ from torch import Tensor, nn
 
 from runtime.cpu_packing import Linear
 from runtime.draft_head import DraftHead
-from runtime.drafter import DrafterKind, EngineExport
-from runtime.eagle_drafting import (EagleBase, EagleDrafter, EagleStep, draft_attention, eagle_example, residual,
-                                    speculators_config)
+from runtime.drafter import EngineExport
+from runtime.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
 from runtime.hf_weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
 from runtime.model import Block, ModelConfig, Transformer
 
@@ -52,10 +51,7 @@ class EagleModel(EagleBase):
             m.fc.weight.zero_()
             m.fc.weight[:, dim:] = torch.eye(dim)
             m.fc.bias.zero_()
-            for out_proj in (m.block.attention.wo, m.block.feed_forward.w2):
-                out_proj.weight.zero_()
-                if out_proj.bias is not None:
-                    out_proj.bias.zero_()
+        open_circuit(m.block)
         return m.to(target.dtype)
 
     def step(self, tokens, features, positions, cache, slots, n_live, mask, want_weights=False, rows=None):
@@ -67,7 +63,7 @@ class EagleModel(EagleBase):
         return x + b.feed_forward(b.ffn_norm(x)), weights
 
 
-class EagleKind(DrafterKind):
+class EagleKind(EagleFamily):
     """Engines run the same EAGLE network: fc([embed(x); feature]) -> one Llama decoder layer without its
     input_layernorm -> the target's lm_head; embedding and lm_head come from the target at load time, so neither
     format stores them. speculators' `eagle` (src/speculators/models/eagle.py) loads with the speculators library;
@@ -76,7 +72,6 @@ class EagleKind(DrafterKind):
 
     name = "eagle"
     module_type = EagleModel
-    attends = True
     onnx_inputs, onnx_outputs = ("input_ids", "features"), ("next_features", "logits")
 
     def config(self, module, draft_vocab, settings):
@@ -85,18 +80,6 @@ class EagleKind(DrafterKind):
     def module(self, config, target, max_len, keep_ids):
         return EagleModel(target.config, target.tok_embeddings.weight, DraftHead(target.output.weight, keep_ids),
                           max_len)
-
-    def drafter(self, module, config, target, max_len, keep_ids):
-        return EagleDrafter(module, max_len)
-
-    def onnx_step(self, module):
-        return EagleStep(module)
-
-    def onnx_example(self, module, batch, seq, generator):
-        return eagle_example(module, batch, seq, generator)
-
-    def draft_attention(self, module, target_out, ids):
-        return draft_attention(module, target_out, ids)
 
     def engine_exports(self, module, verifier, speculative_tokens=5):
         speculators = speculators_config("eagle", verifier, speculative_tokens)

@@ -19,9 +19,8 @@ from torch import Tensor
 
 from runtime.cpu_packing import Linear
 from runtime.draft_head import DraftHead
-from runtime.drafter import DrafterKind, EngineExport
-from runtime.eagle_drafting import (EagleBase, EagleDrafter, EagleStep, draft_attention, eagle_example, residual,
-                                    speculators_config)
+from runtime.drafter import EngineExport
+from runtime.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
 from runtime.hf_weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
 from runtime.model import Block, ModelConfig, RMSNorm, Transformer
 
@@ -103,10 +102,7 @@ class Eagle3Model(EagleBase):
             if qkv.bias is not None:
                 qkv.bias.copy_(last.attention.wqkv.bias)
             m.hidden_norm.weight.copy_(last.attention_norm.weight)
-            for out_proj in (m.block.attention.wo, m.block.feed_forward.w2):
-                out_proj.weight.zero_()
-                if out_proj.bias is not None:
-                    out_proj.bias.zero_()
+        open_circuit(m.block)
         return m.to(target.dtype)
 
     def step(self, tokens, features, positions, cache, slots, n_live, mask, want_weights=False, rows=None):
@@ -121,7 +117,7 @@ class Eagle3Model(EagleBase):
         return h + b.feed_forward(b.ffn_norm(h)), weights
 
 
-class Eagle3Kind(DrafterKind):
+class Eagle3Kind(EagleFamily):
     """Serving layouts: speculators' `eagle3` (src/speculators/models/eagle3: config.json with speculators_config,
     transformer_layer_config, draft_vocab_size, eagle_aux_hidden_state_layer_ids; tensors layers.0.*, fc, norm,
     lm_head, embed_tokens, d2t, t2d), which vLLM loads; SGLang's LlamaForCausalLMEagle3
@@ -129,7 +125,6 @@ class Eagle3Kind(DrafterKind):
 
     name = "eagle3"
     module_type = Eagle3Model
-    attends = True
     onnx_inputs, onnx_outputs = ("input_ids", "features"), ("next_hidden", "logits")
 
     def streams(self, settings, n_layers):
@@ -146,18 +141,6 @@ class Eagle3Kind(DrafterKind):
         layers = Eagle3Config.from_dict(config, c.n_layers).aux_layers
         head = DraftHead(target.output.weight, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
         return Eagle3Model(c, target.tok_embeddings.weight, head, layers, max_len)
-
-    def drafter(self, module, config, target, max_len, keep_ids):
-        return EagleDrafter(module, max_len)
-
-    def onnx_step(self, module):
-        return EagleStep(module)
-
-    def onnx_example(self, module, batch, seq, generator):
-        return eagle_example(module, batch, seq, generator)
-
-    def draft_attention(self, module, target_out, ids):
-        return draft_attention(module, target_out, ids)
 
     def engine_exports(self, module, verifier, speculative_tokens=5):
         speculators = speculators_config("eagle3", verifier, speculative_tokens)

@@ -8,9 +8,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from export.calibrate.budget import candidates, choose_budget, device_ladder, successive_halving
+from export.calibrate.budget import (candidates, choose_budget, device_ladder, halving_runs, preference,
+                                     successive_halving)
 from export.calibrate.kv import choose_kv_scheme, decode_ms, kv_message, quantized_nll
 from export.calibrate.layer_map import DENSE, LayerMap
+from export.calibrate.predict import could_win, predict
+from export.calibrate.replay import ReplayTarget, reference, replay
 from export.calibrate.specattn import calibration_row, choose_top_p, effective_keys, sparse_nll, target_selector
 from export.calibrate.stage import CalibrateSettings, run_calibrate
 from export.calibrate.weights import choose_scheme
@@ -19,9 +22,10 @@ from pipeline.runstore import RunStore
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
 from runtime.budget import DraftBudget, ServedBudget
-from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_tensors, get_kind
-from runtime.engine import Engine, EngineConfig
+from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
+from runtime.engine import Engine, EngineConfig, tokens_per_forward
 from runtime.model import Transformer
+from runtime.ngram import NgramDrafter
 from runtime.precision import float_dtype
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache
 from runtime.sampling import SamplingParams
@@ -183,12 +187,23 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert kv["max_slowdown"] == 0.05 and m["kv_int4_slowdown"] == cands["int4"]["slowdown"]
     assert m["kv_int8_ppl_change"] == cands["int8"]["ppl_change"] and "kv_quant" in result.outputs
 
-    budget = json.loads((ctx.out / "draft_budget.json").read_text())  # timed candidates within the configured 4x2/8
-    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"], r["lookup"], r["max_tree"]) for r in budget["sweep"]]
+    budget = json.loads((ctx.out / "draft_budget.json").read_text())  # candidates within the configured 4x2/8
+    predictions = budget["predictions"]  # every candidate predicted; those that could win timed, in the sweep
+    shapes = [(r["depth"], r["width"], r["nodes"], r["adaptive"], r["lookup"], r["max_tree"]) for r in predictions]
     trees = [(1, 1, 1, False), (2, 1, 2, False), (2, 2, 4, False), (3, 2, 6, False), (4, 2, 8, False), (4, 2, 8, True)]
     lookup = ctx.cfg.drafter.lookup
     cut = [(2, 1, 2, 5), (2, 2, 4, 5), (3, 2, 6, 5), (2, 2, 4, 11), (3, 2, 6, 11), (4, 2, 8, 11)]  # with the lookup
     assert shapes == [t + (n, 0) for n in (0, lookup) for t in trees] + [(*t, False, lookup, c) for *t, c in cut]
+    keys = ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")
+    assert [{k: r[k] for k in keys} for r in budget["sweep"]] == [{k: r[k] for k in keys} for r in predictions
+                                                                   if r["timed"]]
+    assert 2 <= len(budget["sweep"]) == m["budget_timed"] <= len(predictions)
+    for r in budget["sweep"]:  # timed, with the prediction beside the measurement
+        p = next(p for p in predictions if all(p[k] == r[k] for k in keys))
+        assert r["predicted_tokens_per_s"] == p["predicted_tokens_per_s"] > 0
+    for p in predictions:  # replayed: tau and the step's parts, the speedup over plain decoding's prediction
+        assert p["tau"] >= 1.0 and p["draft_ms"] > 0 and p["verify_ms"] > 0 and p["rollback_ms"] > 0
+        assert p["predicted_speedup"] == p["predicted_tokens_per_s"] / budget["predicted_tokens_per_s_ar"]
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1.0 for r in budget["sweep"]) and budget["tokens_per_s_ar"] > 0
     gate = ctx.cfg.validate.gate
     assert (budget["min_tau"], budget["min_speedup"], budget["tau_margin"]) == (
@@ -246,12 +261,14 @@ def test_successive_halving_drops_the_less_preferred_half_each_round():
 
     totals, baseline = successive_halving(5, ["a", "b", "c", "d", "e"], run, rank, per_round=2)
     assert [t["prompts"] for t in totals] == [2, 5, 2, 5, 4]  # 5 -> 3 (3, 1, 4) -> 2 (3, 1) after each round
+    assert len(calls) == halving_runs(5, 5, per_round=2) == 2 * 6 + 2 * 4 + 3  # what its progress bar counts
     assert calls[:6] == [("a", None), ("a", 0), ("a", 1), ("a", 2), ("a", 3), ("a", 4)]  # interleaved per prompt
     assert calls[12:16] == [("c", None), ("c", 3), ("c", 1), ("c", 4)]  # the preferred first
     assert baseline["prompts"] == 5 and totals[3]["baseline"]["prompts"] == 5 and totals[0]["baseline"]["prompts"] == 2
     assert rank(totals[3], totals[3]["baseline"]) == pytest.approx(40 / 15)
+    calls.clear()
     totals, _ = successive_halving(3, list("abcdefgh"), run, rank, per_round=2)  # two finalists run every prompt
-    assert [t["prompts"] for t in totals] == [2, 8, 8]
+    assert [t["prompts"] for t in totals] == [2, 8, 8] and len(calls) == halving_runs(3, 8, per_round=2)
 
 
 def test_budget_candidates_stay_within_the_configured_budget():
@@ -395,3 +412,58 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
         errors[scheme] = (nll - dense).abs().mean()
         assert errors[scheme] > 1e-3  # what reading the history unquantised (or quantised differently) would miss
     assert 0 < errors["int8"] < errors["int4"]
+
+
+def test_a_replayed_budget_commits_the_reply_and_reaches_the_engines_tau(target_dir, distilled):
+    data, tensors = distilled
+    target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+    config = {"kind": "eagle", "draft_vocab": 64}
+    module = drafter_module(config, target, tensors)
+    prompts = [data.row(i)[0][:8].tolist() for i in range(4)]
+    corpus = NgramDrafter.corpus(target.config.vocab_size, [data.row(i)[0] for i in range(4, 12)], max_depth=4)
+    replayed = ReplayTarget(target)
+    refs = [reference(Engine(target, None, EngineConfig(max_seq_len=128)), p, 40, (7,)) for p in prompts]
+    for budget in (ServedBudget(DraftBudget(1, 1, 1)), ServedBudget(DraftBudget(4, 2, 8), adaptive=True),
+                   ServedBudget(DraftBudget(3, 2, 6), lookup=4, max_tree=5)):
+        fields = dict(max_seq_len=128, lookup_corpus=corpus, **budget.engine_fields())
+        real = [Engine(target, served_drafter(config, module, target, tensors), EngineConfig(**fields)).generate(
+            p, 40, SamplingParams(), None, (7,)) for p in prompts]
+        assert [g.tokens for g in real] == [r.reply for r in refs]  # lossless: every budget commits the reply
+        engine = Engine(replayed, served_drafter(config, module, target, tensors), EngineConfig(**fields))
+        row = replay(replayed, engine, refs, 40, (7,))
+        forwards = sum(g.metrics.target_forwards for g in real)
+        assert row["forwards"] == forwards and row["tau"] == tokens_per_forward(sum(len(r.reply) for r in refs), 4, forwards)
+        assert sum(row["verify_rows"].values()) == forwards and row["draft_s"] > 0 and row["rollback_s"] > 0
+        nodes = sum(g.metrics.draft_nodes for g in real)
+        assert sum((n - 1) * k for n, k in row["verify_rows"].items()) == nodes  # each verify: the root + its tree
+
+
+def test_a_budgets_predicted_speed_charges_each_verify_its_measured_cost():
+    replayed = {"tau": 2.5, "prompts": 2, "forwards": 10, "new_tokens": 27, "draft_s": 0.05, "rollback_s": 0.01,
+                "overhead_s": 0.02, "verify_rows": {1: 2, 5: 8}}
+    costs = {1: 20.0, 5: 30.0, 7: 45.0}  # ms of a target forward over n rows
+    p = predict(replayed, costs, prefill_s=0.1)
+    assert p["tau"] == 2.5
+    assert p["draft_ms"] == pytest.approx(5.0) and p["rollback_ms"] == pytest.approx(1.0)
+    assert p["verify_ms"] == pytest.approx((2 * 20.0 + 8 * 30.0) / 10 + 2.0)  # the forwards', and the engine's around
+    step_s = (p["draft_ms"] + p["verify_ms"] + p["rollback_ms"]) / 1e3
+    assert p["predicted_tokens_per_s"] == pytest.approx(27 / (0.1 + 10 * step_s))
+
+
+def test_only_candidates_that_could_win_are_timed():
+    def rank(r):
+        return preference(r, min_tau=1.5, min_speedup=1.0, tau_margin=0.1)
+
+    rows = [{"tau": 2.0, "tokens_per_s": 40.0, "speedup": 1.6},  # the best prediction
+            {"tau": 2.4, "tokens_per_s": 37.0, "speedup": 1.48},  # within 10% of it
+            {"tau": 2.9, "tokens_per_s": 20.0, "speedup": 0.8},  # predicted far slower
+            {"tau": 1.2, "tokens_per_s": 44.0, "speedup": 1.76},  # faster, but its tau fails the gate whatever its speed
+            {"tau": 1.9, "tokens_per_s": 35.0, "speedup": 1.4}]  # 14% slower: out at a 10% margin, in at 20%
+    assert could_win(rows, rank, 0.1) == [0, 1]
+    assert could_win(rows, rank, 0.2) == [0, 1, 4]
+    assert could_win(rows, rank, 0.0, least=3) == [0, 1, 4]  # at least the `least` best predictions
+    weak = [{"tau": 1.7, "tokens_per_s": 15.0, "speedup": 0.97}, {"tau": 1.8, "tokens_per_s": 12.0, "speedup": 0.8},
+            {"tau": 1.4, "tokens_per_s": 20.0, "speedup": 1.3}]  # none clears both floors as predicted
+    # the fastest prediction (choose_budget's fallback), and 0.97x, which would clear both floors 5% faster than
+    # predicted (then it wins); 0.8x could not
+    assert could_win(weak, rank, 0.05, least=1) == [0, 2]

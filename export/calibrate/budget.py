@@ -2,24 +2,27 @@
 
 How big a tree pays depends on the drafter's acceptance and on what the hardware charges for a wider verify and
 a deeper draft: on a 2-core CPU a wide verify costs well over a one-token decode, so a drafter accepting half its
-nodes per depth is fastest with a small tree, and slower than plain decoding with a wide one. Each candidate runs the engine as serving will (the chosen KV scheme, greedy) on held-out prompts that
-validate does not time; the fastest that clears validate's gate (tau and speedup) becomes draft_budget.json, which
-export ships and validate and serving read (runtime.served). Both floors matter: the fastest
-budget on the CPU is often a one-token chain, whose tau (at most 2) may fall below gate.min_tau when a larger tree's
-would not, and for a weak drafter the only tree whose tau clears the floor with room to spare may be slower than
-plain decoding.
+nodes per depth is fastest with a small tree, and slower than plain decoding with a wide one. The fastest budget
+that clears validate's gate (tau and speedup) becomes draft_budget.json, which export ships and validate and serving
+read (runtime.served). Both floors matter: the fastest budget on the CPU is often a one-token chain, whose tau (at
+most 2) may fall below gate.min_tau when a larger tree's would not, and for a weak drafter the only tree whose tau
+clears the floor with room to spare may be slower than plain decoding.
 
 Each tree is also tried with the n-gram lookup branch (EngineConfig.lookup): a target that repeats itself or its
 prompt gets those nodes accepted whatever the drafter proposed, and the timing says whether the wider verify pays.
 
-Candidates are timed by successive halving: all on the first two prompts, the preferred half on two more, and so
-on down to two finalists, each prompt running plain decoding and every remaining candidate back to back. The
-finalists run twelve prompts at validate's reply length: how much the branch gains depends on how much the prompts
-repeat and on how long the reply grows, and fewer or shorter prompts picked worse budgets (docs/cpu.md).
+Timing every candidate would take most of calibrate, so each is first predicted (export.calibrate.predict): its tau
+and drafting cost from a replay of the target's replies (export.calibrate.replay), its verify at the measured cost
+of a forward over that many rows. Only the candidates that could win (within a margin of the best prediction) are
+timed, running the engine as serving will (the chosen KV scheme, greedy) on held-out prompts that validate does not
+time, by successive halving: all on the first two prompts, the preferred half on two more, and so on down to two
+finalists, each prompt running plain decoding and every remaining candidate back to back. The finalists run twelve
+prompts at validate's reply length: how much the branch gains depends on how much the prompts repeat and on how
+long the reply grows, and fewer or shorter prompts picked worse budgets (docs/cpu.md).
 
 A GPU wants a bigger tree than the CPU (a wider verify costs it little more), and tau does not depend on the device:
-so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their tau on
-every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.device_budget).
+so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their replayed
+tau on every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.device_budget).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from export.calibrate.predict import could_win, predict_budgets
+from export.calibrate.replay import reference
 from runtime.budget import DraftBudget, ServedBudget
 from runtime.engine import Engine, EngineConfig, tokens_per_forward
 from runtime.model import Transformer
@@ -46,6 +51,12 @@ TREE_CAPS = {5: range(2, 7), 11: range(4, 13)}
 # (runtime.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
 DEVICE_LADDER = ((2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0))
 PROMPTS_PER_ROUND = 2  # successive halving: every candidate runs the first 2 prompts, the better half 2 more, ...
+PREDICTION_MARGIN = 0.1  # a candidate is timed if it could win running this much faster than predicted
+# the tree that generates the target's replies to replay: every greedy budget commits the same tokens, and a small
+# tree with the lookup branch (cut to a 6-row verify) commits them fastest on a CPU
+REPLY_TREE = DraftBudget(depth=2, width=2, nodes=4)
+# what draft_budget.json's sweep rows repeat of their candidate's prediction
+PREDICTED = ("predicted_tokens_per_s", "predicted_speedup", "draft_ms", "verify_ms", "rollback_ms")
 
 
 def candidates(configured: DraftBudget, lookups: tuple[int, ...] = (0,)) -> list[ServedBudget]:
@@ -106,33 +117,62 @@ def successive_halving(n: int, prompts: list, run: Callable[[int | None, object]
         for i in alive:
             totals[i]["baseline"] = dict(baseline)
         if r < len(rounds) - 1:
-            keep = max(2, (len(alive) + 1) // 2)
-            alive = sorted(alive, key=lambda i: rank(totals[i], baseline), reverse=True)[:keep]
+            alive = sorted(alive, key=lambda i: rank(totals[i], baseline), reverse=True)[:survivors(len(alive))]
     return totals, baseline
+
+
+def survivors(alive: int) -> int:
+    """How many of `alive` candidates successive halving keeps after a round: the better half, at least two."""
+    return max(2, (alive + 1) // 2)
+
+
+def halving_runs(n: int, prompts: int, per_round: int = PROMPTS_PER_ROUND) -> int:
+    """Generations successive_halving runs for n candidates on `prompts` prompts, plain decoding's included."""
+    runs, alive = 0, n
+    for start in range(0, prompts, per_round):
+        runs += min(per_round, prompts - start) * (1 + alive)
+        alive = min(alive, survivors(alive))
+    return runs
 
 
 def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[list[int]], configured: DraftBudget,
                      new_tokens: int, engine_fields: dict, stop_ids: tuple[int, ...],
                      min_tau: float = 0.0, min_speedup: float = 0.0, tau_margin: float = 0.0,
-                     lookups: tuple[int, ...] = (0,)) -> tuple[dict[str, str], dict, str]:
-    """Time our autoregressive decode and every candidate on `prompts` by successive halving (`new_drafter()`
-    gives a fresh drafter, `engine_fields` further EngineConfig fields: the KV scheme, the lookup corpus); choose
-    among those timed on every prompt by choose_budget; write draft_budget.json and .png to `out`; return (outputs,
-    metrics, message)."""
+                     lookups: tuple[int, ...] = (0,), margin: float = PREDICTION_MARGIN) -> tuple[dict[str, str], dict, str]:
+    """Predict every candidate and DEVICE_LADDER's trees on `prompts` (`new_drafter()` gives a fresh drafter,
+    `engine_fields` further EngineConfig fields: the KV scheme, the lookup corpus); time our autoregressive decode
+    and the candidates that could win (`margin`: could_win) by successive halving; choose among those timed on
+    every prompt by choose_budget; write draft_budget.json and .png to `out`; return (outputs, metrics, message)."""
     max_seq_len = max(map(len, prompts)) + new_tokens + configured.max_nodes + max(lookups) + 1
     cands = candidates(configured, lookups)
+    ladder = [c for c in device_ladder(configured, max(lookups)) if c not in cands]
 
-    def engine(drafter, budget: ServedBudget) -> Engine:
-        return Engine(target, drafter, EngineConfig(max_seq_len=max_seq_len, **budget.engine_fields(), **engine_fields))
+    def engine(t, drafter, budget: ServedBudget) -> Engine:
+        return Engine(t, drafter, EngineConfig(max_seq_len=max_seq_len, **budget.engine_fields(), **engine_fields))
 
-    engines = [engine(new_drafter(), c) for c in cands]
-    plain = engine(None, ServedBudget(configured))
+    reply_tree = REPLY_TREE if REPLY_TREE.fits(configured) else configured
+    replier = engine(target, new_drafter(), ServedBudget(reply_tree, lookup=max(lookups), max_tree=min(TREE_CAPS)))
+    refs = [reference(replier, ids, new_tokens, stop_ids)
+            for ids in tqdm(prompts, desc="calibrate: the target's replies", unit="prompt", mininterval=1.0)]
+    predicted, plain_predicted, step_costs = predict_budgets(
+        target, lambda t, b: engine(t, None, ServedBudget(configured)) if b is None else engine(t, new_drafter(), b),
+        cands + ladder, refs, new_tokens, stop_ids)
+
+    def rank(r: dict) -> tuple:
+        return preference(r, min_tau, min_speedup, tau_margin)
+
+    timed = could_win([as_rates(p) for p in predicted[:len(cands)]], rank, margin)
+    engines = [engine(target, new_drafter(), cands[i]) for i in timed]
+    plain = engine(target, None, ServedBudget(configured))
     for e in tqdm([plain] + engines, desc="calibrate: warm up budgets", unit="budget", mininterval=1.0):
         e.generate(prompts[0], min(new_tokens, 16), SamplingParams(), None, stop_ids)  # the tree-verify path too
+    bar = tqdm(total=halving_runs(len(timed), len(prompts)), desc="calibrate: time budgets", unit="generation",
+               mininterval=1.0)
 
     def run(i: int | None, ids: list[int]) -> tuple[float, int, int]:
         start = time.perf_counter()
         g = (plain if i is None else engines[i]).generate(ids, new_tokens, SamplingParams(), None, stop_ids)
+        bar.update(1)
         return time.perf_counter() - start, len(g.tokens), g.metrics.target_forwards
 
     def row(t: dict, base: dict) -> dict:
@@ -140,60 +180,66 @@ def calibrate_budget(out: Path, target: Transformer, new_drafter, prompts: list[
         return {"tokens_per_s": rate, "speedup": rate / (base["new_tokens"] / base["seconds"]),
                 "tau": tokens_per_forward(t["new_tokens"], t["prompts"], t["forwards"]), "prompts": t["prompts"]}
 
-    totals, baseline = successive_halving(
-        len(cands), prompts, run, lambda t, base: preference(row(t, base), min_tau, min_speedup, tau_margin))
-    sweep = [{**c.to_dict(), **row(t, t["baseline"])} for c, t in zip(cands, totals)]
+    totals, baseline = successive_halving(len(timed), prompts, run, lambda t, base: rank(row(t, base)))
+    bar.close()
+    sweep = [{**cands[i].to_dict(), **row(t, t["baseline"]), **{k: predicted[i][k] for k in PREDICTED}}
+             for i, t in zip(timed, totals)]
     ar_rate = baseline["new_tokens"] / baseline["seconds"]
     best = choose_budget([r for r in sweep if r["prompts"] == len(prompts)], min_tau, min_speedup, tau_margin)
     chosen = ServedBudget.from_dict(best)
-
-    def tau_row(c: ServedBudget) -> dict:
-        e, new, forwards = engine(new_drafter(), c), 0, 0
-        for ids in prompts:
-            g = e.generate(ids, new_tokens, SamplingParams(), None, stop_ids)
-            new, forwards = new + len(g.tokens), forwards + g.metrics.target_forwards
-        return {**c.to_dict(), "tau": tokens_per_forward(new, len(prompts), forwards), "prompts": len(prompts)}
-
     # the chosen budget and bigger trees, tau on every prompt: a serving GPU times a step of each and chooses
-    ladder = [c for c in device_ladder(configured, max(lookups)) if c != chosen]
-    device = [{**chosen.to_dict(), "tau": best["tau"], "prompts": best["prompts"]}] + \
-        [tau_row(c) for c in tqdm(ladder, desc="calibrate: tau of device budgets", unit="budget", mininterval=1.0)]
+    replayed = {ServedBudget.from_dict(p): p for p in predicted}
+    device = [{**chosen.to_dict(), "tau": best["tau"], "prompts": best["prompts"]}] + [
+        {**c.to_dict(), "tau": replayed[c]["tau"], "prompts": len(prompts)}
+        for c in device_ladder(configured, max(lookups)) if c != chosen]
     report = {"chosen": chosen.to_dict(), "min_tau": min_tau, "min_speedup": min_speedup, "tau_margin": tau_margin,
-              "tokens_per_s_ar": ar_rate,
-              "dtype": str(target.dtype).removeprefix("torch."), "prompts": len(prompts),
+              "tokens_per_s_ar": ar_rate, "dtype": str(target.dtype).removeprefix("torch."), "prompts": len(prompts),
               "prompts_per_round": PROMPTS_PER_ROUND, "new_tokens": new_tokens, "sweep": sweep,
-              "device_candidates": device}
+              "device_candidates": device, "prediction_margin": margin,
+              "predicted_tokens_per_s_ar": plain_predicted["predicted_tokens_per_s"], "step_costs": step_costs,
+              "predictions": [{**p, "timed": i in timed} for i, p in enumerate(predicted[:len(cands)])]}
     (out / "draft_budget.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_budgets(sweep, device, out / "draft_budget.png")
+    plot_budgets(report["predictions"], sweep, device, out / "draft_budget.png")
     metrics = {"budget_speedup": best["speedup"], "budget_tokens_per_s": best["tokens_per_s"],
                "budget_nodes": float(best["nodes"]), "budget_lookup": float(best["lookup"]),
-               "budget_tokens_per_s_ar": ar_rate}
+               "budget_tokens_per_s_ar": ar_rate, "budget_timed": float(len(timed))}
     return ({"draft_budget": "draft_budget.json", "draft_budget_plot": "draft_budget.png"}, metrics,
             f"draft budget {chosen.label()}: {best['speedup']:.2f}x over our AR (tau {best['tau']:.2f}"
-            + (")" if best["tau"] >= min_tau and best["speedup"] >= min_speedup else
-               f"; none reaches tau {min_tau:.2f} at {min_speedup:.2f}x)"))
+            + ("" if best["tau"] >= min_tau and best["speedup"] >= min_speedup else
+               f"; none reaches tau {min_tau:.2f} at {min_speedup:.2f}x")
+            + f"; {len(timed)} of {len(cands)} predicted to be within {margin:.0%} of the best, timed)")
 
 
-def plot_budgets(sweep: list[dict], device: list[dict], path: Path) -> Path:
-    """Left: each timed candidate's speedup over our AR on this machine. Right: the device candidates' tau, which a
-    serving GPU weighs against its own step times."""
+def as_rates(predicted: dict) -> dict:
+    """A prediction in a sweep row's terms, for preference()."""
+    return {"tau": predicted["tau"], "tokens_per_s": predicted["predicted_tokens_per_s"],
+            "speedup": predicted["predicted_speedup"]}
+
+
+def plot_budgets(predictions: list[dict], sweep: list[dict], device: list[dict], path: Path) -> Path:
+    """Left: each candidate's predicted speedup over our AR on this machine, and the measured one of those timed.
+    Right: the device candidates' tau, which a serving GPU weighs against its own step times."""
     from matplotlib.figure import Figure
 
-    widths = [max(6, 0.35 * len(sweep)), max(3, 0.5 * len(device))]
+    widths = [max(6, 0.35 * len(predictions)), max(3, 0.5 * len(device))]
     fig = Figure(figsize=(sum(widths), 4))
     ax, tau_ax = fig.subplots(1, 2, width_ratios=widths)
-    labels = [ServedBudget.from_dict(r).spec + " adaptive" * r["adaptive"] for r in sweep]
+    labels = [ServedBudget.from_dict(r).spec + " adaptive" * r["adaptive"] for r in predictions]
     colors = [("tab:green" if r.get("lookup") else "tab:blue", "tab:olive" if r.get("lookup") else "tab:orange")
-              [r["adaptive"]] for r in sweep]
-    ax.bar(range(len(sweep)), [r["speedup"] for r in sweep], color=colors)
+              [r["adaptive"]] for r in predictions]
+    ax.bar(range(len(predictions)), [r["predicted_speedup"] for r in predictions], color=colors, alpha=0.5,
+           label="predicted")
+    where = {ServedBudget.from_dict(r): i for i, r in enumerate(predictions)}
+    ax.scatter([where[ServedBudget.from_dict(r)] for r in sweep], [r["speedup"] for r in sweep], color="black",
+               marker="D", zorder=3, label="measured (timed)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(sweep)), labels, fontsize="x-small", rotation=60, ha="right")
+    ax.set_xticks(range(len(predictions)), labels, fontsize="x-small", rotation=60, ha="right")
     ax.set(xlabel="draft budget (depth x width / nodes + lookup nodes @ most nodes a verify)",
-           ylabel="speedup over our AR (x)",
-           title="Draft budget: measured speedup")
+           ylabel="speedup over our AR (x)", title="Draft budget: predicted and measured speedup")
+    ax.legend(loc="best", fontsize="small")
     tau_ax.bar(range(len(device)), [r["tau"] for r in device], color=["tab:red"] + ["tab:purple"] * (len(device) - 1))
-    tau_ax.set_xticks(range(len(device)), [ServedBudget.from_dict(r).spec for r in device], fontsize="x-small", rotation=60,
-                      ha="right")
+    tau_ax.set_xticks(range(len(device)), [ServedBudget.from_dict(r).spec for r in device], fontsize="x-small",
+                      rotation=60, ha="right")
     tau_ax.set(ylabel="tau (tokens per target forward)", title="Device candidates (red: chosen here)")
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return path

@@ -11,15 +11,14 @@ the history exactly as it would when decoding one token at a time.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from export.calibrate.specattn import next_token_nll, perplexity
+from export.calibrate.timing import interleaved_ms
 from runtime.bundle import KV_QUANT, NO_KV_QUANT
-from runtime.device import synchronizer
 from runtime.drafter import Drafter
 from runtime.model import Transformer
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
@@ -45,28 +44,19 @@ def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None)
 def decode_ms(target: Transformer, quants: dict[str, KVQuant | None], context: int, rounds: int = 5,
               steps: int = 4) -> dict[str, float]:
     """Median milliseconds of a one-token decode forward after `context` cached tokens, per named cache storage
-    (None: full precision). Rounds interleave the storages, so machine noise falls on each alike."""
+    (None: full precision), timed in interleaved rounds (timing.interleaved_ms)."""
     c, device = target.config, target.device
-    sync = synchronizer(device)
     ids = torch.randint(0, c.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0)).to(device)
     position = torch.tensor([[context]], device=device)
-    caches = {}
-    for name, quant in quants.items():
+
+    def decode(quant: KVQuant | None):
         cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, context + 1, c.head_dim, quant, target.dtype, device)
         target(ids[:, :context], cache, torch.arange(context, device=device)[None])
         cache.advance(context)  # moves the committed history below the block boundary into the codes
-        target(ids[:, context:], cache, position)  # warm-up; the slot is rewritten, never committed
-        caches[name] = cache
-    samples: dict[str, list[float]] = {name: [] for name in quants}
-    for _ in range(rounds):
-        for name, cache in caches.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(steps):
-                target(ids[:, context:], cache, position, last_logits_only=True)
-            sync()
-            samples[name].append((time.perf_counter() - start) / steps)
-    return {name: 1e3 * statistics.median(s) for name, s in samples.items()}
+        # the slot after the history is rewritten by every call, never committed
+        return lambda: target(ids[:, context:], cache, position, last_logits_only=True)
+
+    return interleaved_ms({name: decode(quant) for name, quant in quants.items()}, device, rounds, steps)
 
 
 def accurate(candidates: list[dict], tau_tolerance: float, ppl_tolerance: float) -> list[dict]:
@@ -90,17 +80,27 @@ def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[to
     Bundle.kv_settings() the runtime's engines apply) to `out`. `dense_tau`: measured by the same probe with a
     full-precision cache (calibrate's fp32 drafter tau). `timed`: the target in the precision validate and
     serving run, whose decode step is timed after `decode_context` tokens."""
+    bar = tqdm(total=2 + 2 * len(schemes), desc="calibrate: KV schemes", unit="step")
+    bar.set_postfix_str("full-precision perplexity")
     dense_ppl = perplexity([quantized_nll(target, r, None) for r in rows])
+    bar.update()
+    bar.set_postfix_str("decode steps")
     times = decode_ms(timed, {NO_KV_QUANT: None, **{s: KVQuant(s, recent) for s in schemes}}, decode_context)
+    bar.update()
     head_dim, candidates = target.config.head_dim, []
     for scheme in schemes:
         quant = KVQuant(scheme, recent)
+        bar.set_postfix_str(f"{scheme} perplexity")
         ppl = perplexity([quantized_nll(target, r, quant) for r in rows])
+        bar.update()
+        bar.set_postfix_str(f"{scheme} tau")
         tau = probe.measure(target, drafter, kv=quant)["tau"]
+        bar.update()
         candidates.append({"scheme": scheme, "perplexity": ppl, "ppl_change": ppl / dense_ppl - 1, "tau": tau,
                            "tau_drop": (dense_tau - tau) / dense_tau, "target_bits": quant.read_bits(head_dim),
                            "draft_bits": KVQuant(scheme, recent, reader="draft").read_bits(head_dim),
                            "decode_ms": times[scheme], "slowdown": times[scheme] / times[NO_KV_QUANT] - 1})
+    bar.close()
     chosen = choose_kv_scheme(candidates, tau_tolerance, ppl_tolerance, max_slowdown)
     report = {"chosen": chosen, "recent": recent, "dense_perplexity": dense_ppl, "dense_tau": dense_tau,
               "full_precision_bits": 8 * target.dtype.itemsize, "tau_tolerance": tau_tolerance,

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
 from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
@@ -147,6 +148,10 @@ def choose_top_p(sweep: list[dict], ppl_tolerance: float) -> dict | None:
     return max(ok, key=lambda r: (r["kv_saved"], -r["top_p"])) if ok else None
 
 
+def progress(items: list, what: str, unit: str):
+    return tqdm(items, desc=f"calibrate: {what}", unit=unit, mininterval=1.0)
+
+
 def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, dense_tau: float, path: Path) -> Path:
     from matplotlib.figure import Figure
 
@@ -178,15 +183,23 @@ def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model:
                        probe: TauProbe) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
     when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message)."""
-    rows = [calibration_row(target, kind, model, r) for r in ids]
+    rows = [calibration_row(target, kind, model, r) for r in progress(ids, "layer map rows", "row")]
     S, layer_map = fit_layer_map(rows, dense_first)
     settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
     dense_ppl = perplexity([r.dense_nll for r in rows])
+    sweep, bar = [], tqdm(total=1 + len(top_p), desc="calibrate: SpecAttn top-p sweep", unit="top-p")
+    bar.set_postfix_str("dense")
     dense_tau = probe.measure(target, drafter)["tau"]
-    sweep = [measure_top_p(target, drafter, rows, SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first),
-                           dense_ppl, dense_tau, probe) for p in sorted(top_p)]
+    for p in sorted(top_p):
+        bar.update()
+        bar.set_postfix_str(f"top-p {p}")
+        sparse = SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first)
+        sweep.append(measure_top_p(target, drafter, rows, sparse, dense_ppl, dense_tau, probe))
+    bar.update()
+    bar.close()
     chosen = choose_top_p(sweep, ppl_tolerance)
-    ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, dense_ppl) for p in sorted(top_p)]
+    ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, dense_ppl)
+               for p in progress(sorted(top_p), "SpecAttn ceiling (target's own attention)", "top-p")]
     ceiling_chosen = choose_top_p(ceiling, ppl_tolerance)
     ceiling_saved = ceiling_chosen["kv_saved"] if ceiling_chosen else 0.0
     if chosen is not None:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from export.calibrate.budget import calibrate_budget
 from export.calibrate.kv import calibrate_kv
@@ -50,6 +51,8 @@ class CalibrateSettings:
     # the chosen budget's tau should clear validate.gate.min_tau by this fraction on these few prompts, so that it
     # clears it on validate's prompts too
     budget_tau_margin: float = 0.1
+    # a draft budget is timed if it could win running this much faster than predicted (export.calibrate.predict)
+    budget_prediction_margin: float = 0.1
 
 
 SETTINGS = CalibrateSettings()
@@ -78,9 +81,24 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         return ctx.result({"quant": "quant.json"}, {},
                           f"{kind.name} drafter has no weights: quantisation and layer map not applicable")
     c, v = ctx.cfg.calibrate, ctx.cfg.validate
-    target = ctx.load_target()
-    tensors = load_file(str(distill / "drafter.safetensors"))
-    val = TokenizedSet.load(ctx.input("prepare") / "val.safetensors")
+    with tqdm(total=4, desc="calibrate: load", unit="step") as bar:
+        bar.set_postfix_str("target")
+        target = ctx.load_target()
+        bar.update()
+        # KV decode steps and draft budgets are timed in the precision validate and serving run: bf16 verifies a
+        # tree at relatively less cost than fp32 where it is fast, which moves the fastest budget
+        bar.set_postfix_str(f"target in validate's precision ({v.precision})")
+        timed = target if float_dtype(v.precision, target.device) == target.dtype else ctx.load_target(
+            precision=v.precision)
+        bar.update()
+        bar.set_postfix_str("drafter")
+        tensors = load_file(str(distill / "drafter.safetensors"))
+        model = drafter_module(config, target, tensors)
+        timed_model = model if timed is target else drafter_module(config, timed, tensors)
+        bar.update()
+        bar.set_postfix_str("validation rows")
+        val = TokenizedSet.load(ctx.input("prepare") / "val.safetensors")
+        bar.update()
     prompts = prompts_from(val, s.tau_prompts)
     if not prompts:
         raise ValueError("calibrate: the validation split has no row with a prompt before its assistant turn")
@@ -97,13 +115,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     def drafter_on(t: Transformer, module):
         return served_drafter(config, module, t, tensors)
 
-    model = drafter_module(config, target, tensors)
     rows = calibration_rows(val, c.prompts, c.tokens)
-    # KV decode steps and draft budgets are timed in the precision validate and serving run: bf16 verifies a tree
-    # at relatively less cost than fp32 where it is fast, which moves the fastest budget
-    timed = target if float_dtype(v.precision, target.device) == target.dtype else ctx.load_target(
-        precision=v.precision)
-    timed_model = model if timed is target else drafter_module(config, timed, tensors)
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
         ctx.out, target, drafter_on(target, model), rows, schemes=c.kv_schemes, recent=c.kv_recent,
         tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=probe, dense_tau=quant["fp32_tau"],
@@ -120,7 +132,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, val, s),
         configured.tree, s.budget_new_tokens or v.max_new_tokens, engine_fields, ctx.stop_ids(),
         min_tau=v.gate.min_tau, min_speedup=v.gate.min_speedup, tau_margin=s.budget_tau_margin,
-        lookups=tuple(sorted({0, configured.lookup})))
+        lookups=tuple(sorted({0, configured.lookup})), margin=s.budget_prediction_margin)
     outputs |= budget_outputs
     metrics |= budget_metrics
     message += budget_message + "; "

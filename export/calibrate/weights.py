@@ -33,9 +33,12 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, tensors: dict[
         return probe.measure(target, served_drafter(config, drafter_module(config, target, weights), target,
                                                     weights))["tau"]
 
-    fp32_tau = tau_of(tensors)
     candidates, packed = [], {}
-    for name in tqdm(schemes, desc="calibrate: drafter weight schemes", unit="scheme"):
+    bar = tqdm(["fp32", *schemes], desc="calibrate: drafter weight schemes", unit="scheme")
+    for name in bar:
+        if name == "fp32":
+            fp32_tau = tau_of(tensors)
+            continue
         scheme = QuantScheme.parse(name)
         try:
             packed[name] = quantize_state_dict(tensors, scheme)

@@ -119,6 +119,7 @@ class EagleDrafter(Drafter):
     def reset(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel() - 1:
             raise ValueError("EagleDrafter.reset needs one target feature per token but the last")
+        self._check_width(features)
         self.cache.reset()
         self.cached = 0
         self.pending = [(tokens[1:], features)]
@@ -127,8 +128,15 @@ class EagleDrafter(Drafter):
     def commit(self, tokens: Tensor, features: Tensor | None) -> None:
         if features is None or features.shape[0] != tokens.numel():
             raise ValueError("EagleDrafter.commit needs one target feature per committed token")
+        self._check_width(features)
         self.pending.append((tokens, features))
         self.attention = None  # its prefix is the one before this commit
+
+    def _check_width(self, features: Tensor) -> None:
+        # eagle3 also reads its own dim-wide states at depth: target features of the wrong width would run unnoticed
+        if features.shape[-1] != self.model.feature_dim:
+            raise ValueError(f"EagleDrafter: target features {features.shape[-1]} wide, expected "
+                             f"{self.model.feature_dim} (the streams entering layers {self.feature_layers})")
 
     @torch.inference_mode()
     def propose(self, budget: DraftBudget, params: SamplingParams,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from export.bundle import write_bundle
+from export.calibrate.replay import ReplayTarget, reference, replay
 from helpers import self_distilled_rows
 from runtime.budget import DraftBudget
 from runtime.bundle import BundleError, read_bundle
@@ -121,6 +122,18 @@ def test_the_engine_feeds_eagle3_the_streams_of_every_verify(target, random_eagl
                           taps=Taps.entering((2, 4, 5)))
     streams = full.features((2, 4, 5))[0, :features.shape[0]]  # pair j carries position j's streams
     torch.testing.assert_close(features, streams, rtol=1e-3, atol=1e-3)
+
+
+def test_calibrate_replays_eagle3_on_the_streams_it_reads(target, random_eagle3):
+    """calibrate's replayed verify hands eagle3 the streams it fuses: it commits the reply with the real forwards."""
+    prompts = [torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in (3, 4)]
+    config = EngineConfig(max_seq_len=128, budget=DraftBudget(3, 2, 5), adaptive=False)
+    real = Engine(target, EagleDrafter(random_eagle3, 128), config)
+    refs = [reference(real, p, 24, ()) for p in prompts]
+    forwards = sum(real.generate(p, 24, SamplingParams()).metrics.target_forwards for p in prompts)
+    replayed = ReplayTarget(target)
+    row = replay(replayed, Engine(replayed, EagleDrafter(random_eagle3, 128), config), refs, 24, ())
+    assert row["forwards"] == forwards and forwards < sum(len(r.reply) for r in refs)
 
 
 def test_static_trees_are_the_eager_trees(target, random_eagle3):

@@ -21,7 +21,7 @@ import torch
 
 from runtime.engine import Engine, tokens_per_forward
 from runtime.kv_cache import KVCache
-from runtime.model import Transformer
+from runtime.model import Taps, Transformer
 from runtime.sampling import SamplingParams
 
 
@@ -29,19 +29,19 @@ from runtime.sampling import SamplingParams
 class Reference:
     prompt: list[int]
     reply: list[int]  # the target's greedy reply: new tokens, ending at a stop id or at the length asked for
-    hidden: torch.Tensor  # [len(prompt) + len(reply), dim] the target's hidden state at every position
+    hidden: torch.Tensor  # [len(prompt) + len(reply), features] what the drafter reads of the target, every position
     prefill_s: float  # the real engine's prefill of this prompt
 
 
 @torch.inference_mode()
 def reference(engine: Engine, prompt: list[int], new_tokens: int, stop_ids: tuple[int, ...]) -> Reference:
-    """The reply `engine` (any greedy budget of the target: all give the same tokens) generates, and the target's
-    hidden states over prompt and reply."""
+    """The reply `engine` (any greedy budget of the target: all give the same tokens) generates, and what its
+    drafter reads of the target (the hidden states or the streams it fuses) over prompt and reply."""
     g = engine.generate(prompt, new_tokens, SamplingParams(), None, stop_ids)
     ids = torch.tensor([prompt + g.tokens], device=engine.target.device)
     out = engine.target.run(ids, engine.target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None].to(
-        ids.device), no_logits=True)
-    return Reference(prompt, g.tokens, out.hidden[0], g.metrics.prefill_s)
+        ids.device), taps=Taps.entering(engine.features), no_logits=True)
+    return Reference(prompt, g.tokens, out.features(engine.features)[0], g.metrics.prefill_s)
 
 
 class ReplayTarget:
@@ -65,7 +65,8 @@ class ReplayTarget:
         return self.target.new_cache(batch, max_len)
 
     def __call__(self, tokens: torch.Tensor, cache, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
-                 *, last_logits_only: bool = False, kv_keep=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 *, last_logits_only: bool = False, kv_keep=None, features: tuple[int, ...] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         start, last = time.perf_counter(), len(self.sequence) - 1
         position = positions[0].clamp(max=last)
         # a row past the reply's end follows its stop id: whatever it predicts is cut from the reply

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.batch_eagle import BatchEagle
 from runtime.budget import DraftBudget
 from runtime.cpu_packing import Linear, pack_for_cpu
 from runtime.draft_head import DraftHead
@@ -188,6 +189,9 @@ class EagleDrafter(Drafter):
     def draft_attention(self) -> Tensor | None:
         """Sums of the root's and the expanded nodes' attention rows (one draft layer, per head)."""
         return self.attention
+
+    def batched(self, rows: int) -> BatchEagle:
+        return BatchEagle(self.model, rows, self.cache.max_len)
 
 
 class EagleStep(nn.Module):

@@ -14,7 +14,9 @@ verify turns compute-bound and smaller trees pay, and above some batch size plai
 A request is prefilled alone in a free row (KVCache.row) when it joins; a finished row frees its slot at once, and
 before each step the busy rows are packed together so the step computes only them. Full-precision KV and dense
 verification: a quantised history and SpecAttn keep one boundary or key selection per sequence, which a batch does
-not share (runtime.served drops them for its batched engine, and says so).
+not share (runtime.served drops them for its batched engine, and says so). With EngineConfig.static_verify a step
+of one row verifies at static shapes as Engine's do (a CUDA graph on a GPU) and each row drafts with its own
+drafter's static steps; a step of several rows runs eagerly.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 
 from runtime.batch_drafter import batch_drafter
 from runtime.budget import BatchPolicy, DraftBudget, ServedBudget
+from runtime.cuda_graphs import StaticVerifier
 from runtime.drafter import Drafter
 from runtime.engine import EngineConfig, Generation, _Clock, _Stats, check_request
 from runtime.kv_cache import KVCache
@@ -91,6 +94,9 @@ class BatchEngine:
         longest = max([b.tree.max_nodes + b.lookup for b in budgets], default=0)
         self.cache = KVCache(c.n_layers, max_batch, c.n_kv_heads, cfg.max_seq_len + longest + 1, c.head_dim,
                              target.dtype, target.device)
+        # a step of one row verifies at static shapes (a CUDA graph on a GPU) as Engine does; a batch eagerly
+        self.static = StaticVerifier(target, self.cache.rows_view(0, 1), use_graph=target.device.type == "cuda",
+                                     compile=cfg.compile_static) if cfg.static_verify else None
         self.rows: list[_Row | None] = [None] * max_batch
         self.queue: deque[BatchRequest] = deque()
         self.step_times: list[tuple[int, float]] | None = None  # a list: each step appends (rows, seconds)
@@ -225,6 +231,9 @@ class BatchEngine:
         inputs = torch.tensor([tokens, positions], dtype=torch.long, device=self.target.device)
         tree_mask = None if T == 1 else torch.tensor(masks, dtype=torch.bool, device=self.target.device).view(
             len(rows), T, T)
+        if self.static is not None and len(rows) == 1:
+            return self.static(inputs[0], inputs[1], None if tree_mask is None else tree_mask[0],
+                               cached=rows[0].n_cached)
         return self.target(inputs[0], view, inputs[1], tree_mask)
 
     def _compact(self, view: KVCache, kept: list[list[int]]) -> None:

@@ -1,10 +1,12 @@
 """The batched engine: every row equals its batch-1 decode (greedy) or keeps the target's distribution (sampled),
 whatever drafter kind drafts and however rows join, leave and share steps; the batch policy it follows."""
+import itertools
 import math
 from collections import Counter
 
 import pytest
 import torch
+from test_engine import NoisyOracle
 
 from runtime.batch_budget import batch_sizes, measure_policy
 from runtime.batch_engine import BatchEngine, BatchRequest
@@ -38,7 +40,24 @@ def _perturbed(model, seed=0, scale=0.05):
     return model.eval()
 
 
+class RowOracle(NoisyOracle):
+    """NoisyOracle for whichever prompt its row gets: it knows each prompt's greedy continuation and hides the right
+    token among wrong siblings at a random place, so accepted paths leave the tree's first nodes (compaction)."""
+
+    def __init__(self, vocab_size: int, references: list[list[int]], seed: int):
+        super().__init__(vocab_size, [], p_right=0.7, width=3, seed=seed)
+        self.references = references
+
+    def reset(self, tokens, features):
+        super().reset(tokens, features)
+        self.reference = next(r for r in self.references if r[:tokens.numel() - 1] == tokens.tolist()[:-1])
+
+
 def drafter_factory(kind: str, target: Transformer):
+    if kind == "oracle":
+        references = [p + t for p, t in zip(PROMPTS, batch1(target, lengths=[n + 8 for n in NEW_TOKENS]))]
+        seeds = itertools.count()
+        return lambda: RowOracle(target.config.vocab_size, references, next(seeds))
     if kind == "ngram":
         return lambda: NgramDrafter(target.config.vocab_size)
     if kind == "eagle":
@@ -56,18 +75,22 @@ def batch1(target, prompts=PROMPTS, lengths=NEW_TOKENS, stop_ids=()):
     return [engine.generate(p, n, stop_ids=stop_ids).tokens for p, n in zip(prompts, lengths)]
 
 
-@pytest.mark.parametrize("kind,fields", [
-    ("ngram", {}), ("eagle", {"lookup": 4}), ("eagle", {"static_verify": True}), ("medusa", {}), ("lm", {"lookup": 3}),
-], ids=["ngram", "eagle-batched-lookup", "eagle-per-row-static", "medusa", "lm-lookup"])
-def test_every_row_equals_its_batch1_greedy_decode(target, kind, fields):
-    """Six requests through three rows: rows join as others finish, trees of different sizes share a verify."""
-    stop = batch1(target)[0][20]  # one request ends early on a stop id
+@pytest.fixture(scope="module")
+def peaked(tiny_model_dir):
+    """Untied, with a large init: peaked next tokens that depend on the whole context (the tied tiny model mostly
+    repeats its last token, which a wrong KV slot would not change)."""
+    return Transformer.from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=128)
+
+
+def rows_equal_batch1(target, new_drafter, fields: dict, batched: bool) -> None:
+    """Six requests through three rows: rows join as others finish, trees of different sizes share a verify, one
+    request ends early on a stop id; every row's tokens are its batch-1 decode's."""
+    stop = batch1(target)[0][20]
     want = batch1(target, stop_ids=(stop,))
     for budget in (DraftBudget(4), DraftBudget(3, 2, 5)):
         cfg = EngineConfig(max_seq_len=100, budget=budget, **fields)
-        engine = BatchEngine(target, drafter_factory(kind, target), cfg, max_batch=3)
-        assert type(engine.drafter).__name__ == ("BatchEagle" if kind == "eagle" and not fields.get("static_verify")
-                                                 else "PerRowDrafters")
+        engine = BatchEngine(target, new_drafter, cfg, max_batch=3)
+        assert type(engine.drafter).__name__ == ("BatchEagle" if batched else "PerRowDrafters")
         engine.step_times = []
         out = engine.generate([BatchRequest(i, p, n, stop_ids=(stop,)) for i, (p, n) in
                                enumerate(zip(PROMPTS, NEW_TOKENS))])
@@ -75,6 +98,21 @@ def test_every_row_equals_its_batch1_greedy_decode(target, kind, fields):
         assert max(n for n, _ in engine.step_times) == 3 and not engine.busy
         assert sum(g.metrics.draft_nodes for g in out) > 0
         assert sum(g.metrics.target_forwards for g in out) < sum(len(g.tokens) - 1 for g in out)  # drafts accepted
+
+
+@pytest.mark.parametrize("kind,fields", [
+    ("ngram", {}), ("eagle", {"lookup": 4}), ("eagle", {"static_verify": True}), ("medusa", {}), ("lm", {"lookup": 3}),
+], ids=["ngram", "eagle-batched-lookup", "eagle-per-row-static", "medusa", "lm-lookup"])
+def test_every_row_equals_its_batch1_greedy_decode(target, kind, fields):
+    rows_equal_batch1(target, drafter_factory(kind, target), fields,
+                      batched=kind == "eagle" and not fields.get("static_verify"))
+
+
+def test_rows_accepting_paths_off_their_first_nodes_keep_only_those(peaked):
+    """The oracle hides the right token among wrong siblings, so accepted nodes are rarely the tree's first ones:
+    each row's cache must keep exactly its accepted path's KV, on a target whose answer depends on all of it."""
+    assert len(set(batch1(peaked)[0])) > 20  # a varied answer
+    rows_equal_batch1(peaked, drafter_factory("oracle", peaked), {}, batched=False)
 
 
 def test_plain_batched_decoding_equals_batch1(target):
@@ -201,3 +239,33 @@ def test_measured_policy_keeps_the_fastest_option_at_each_batch_size(target):
             (b for b, _ in candidates if b.spec == best["budget"]), None)
         assert r["options"][2]["tau"] == 1.5 and r["options"][2]["calibrated_tau"]
         assert r["options"][0]["budget"] is None and all(o["step_ms"] > 0 for o in r["options"])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_batched_eagle_proposes_each_rows_own_tree(target, params):
+    """EAGLE's batched forward (one causal step for every row's pending pairs, one step a depth for every row's
+    expanded nodes) proposes, row by row, the tree EagleDrafter proposes for that sequence alone: rows of
+    different lengths and budgets, a row that does not draft, and a second round after commits."""
+    new = drafter_factory("eagle", target)
+    batched, alone = new().batched(3), [new() for _ in range(3)]
+    ids = torch.randint(0, 96, (3, 14), generator=torch.Generator().manual_seed(3))
+    for r, n in enumerate((14, 9, 5)):
+        with torch.no_grad():
+            hidden = target.run(ids[r:r + 1, :n], target.new_cache(1, 64), torch.arange(n)[None]).hidden[0]
+        batched.reset(r, ids[r, :n], hidden[:-1])
+        alone[r].reset(ids[r, :n], hidden[:-1])
+    budgets = {0: DraftBudget(4, 3, 10), 1: DraftBudget(2, 2, 3), 2: DraftBudget(3)}
+    for rows in ([0, 1, 2], [0, 2]):
+        seeds = {r: torch.Generator().manual_seed(10 + r) for r in rows}
+        got = batched.propose(rows, [budgets[r] for r in rows], [params] * len(rows), [seeds[r] for r in rows])
+        for r, tree in zip(rows, got):
+            want = alone[r].propose(budgets[r], params, torch.Generator().manual_seed(10 + r))
+            assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
+            torch.testing.assert_close(tree.scores, want.scores)
+            if not params.greedy:
+                torch.testing.assert_close(tree.q, want.q)
+        committed = {r: torch.randint(0, 96, (2,), generator=torch.Generator().manual_seed(r)) for r in range(3)}
+        features = {r: torch.randn(2, target.config.dim, generator=torch.Generator().manual_seed(r)) for r in range(3)}
+        batched.commit(rows, [committed[r] for r in rows], [features[r] for r in rows])
+        for r in rows:
+            alone[r].commit(committed[r], features[r])

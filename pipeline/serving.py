@@ -146,7 +146,8 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         self.engine, note = served.batched(batching.max_batch, probes if batching.policy == "measured" else None,
                                            plain=batching.policy == "plain")
         print(f"serving {batching.max_batch} rows at once, a queue of {batching.max_queue}, a "
-              f"{batching.timeout_s:g} s timeout; draft budget by batch size: {self.engine.policy.describe()}"
+              f"{batching.timeout_s:g} s timeout; draft budget by batch size: "
+              f"{self.engine.policy.describe() if self.engine.drafter is not None else 'none (plain decoding)'}"
               + f"; {note}" * bool(note), file=sys.stderr)
         self.scheduler = Scheduler(self.engine, batching.max_queue, batching.timeout_s)
         _widen_scoring_threads(batching)

@@ -68,10 +68,11 @@ def main() -> int:
         proc, url = serve(cfg, args.alias, env, logs / f"{mode}.log")
         try:
             rows = []
+            if reference is None and mode == "one_at_a_time":  # every prompt once, one at a time: batch 1
+                r = run_load(url, prompts, 1, len(prompts), args.max_new_tokens, count)
+                reference = {prompts[i]: a for i, a in r["answers"].items()}
             for level in levels:
                 r = run_load(url, prompts, level, level * args.requests, args.max_new_tokens, count)
-                if reference is None and level == 1 and mode == "one_at_a_time":
-                    reference = {prompts[i % len(prompts)]: a for i, a in r["answers"].items()}
                 r["same_as_batch1"] = None if reference is None else same_as_reference(r, prompts, reference)
                 console.print(f"{mode} x{level}: {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_s']:.2f} s, p99 "
                               f"{r['p99_s']:.2f} s, {r['answered']}/{r['requests']} answered, same as batch 1: "

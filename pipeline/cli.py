@@ -223,12 +223,27 @@ def cmd_bench(args) -> int:
     speculation = _speculation(args) if args.drafter is not None else None
     target_dir = resolve_target(args.target)
     device = torch.device(default_device(args.device))
-    report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature,
-                       dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
-                       device=str(device), graphs=not args.no_graphs, compiled=args.compile)
+    dtype = getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device)
+    if args.batch > 1:
+        from pipeline.bench.batch import run_batch_bench
+
+        if args.temperature != 0.0:
+            raise DraftsmithError(f"--batch {args.batch} --temperature {args.temperature}: the batched bench is "
+                                  "greedy (it checks every row against its batch-1 decode)")
+        report = run_batch_bench(target_dir, prompts, speculation, args.batch, args.max_new_tokens, dtype=dtype,
+                                 device=str(device), policy=args.batch_policy)
+    else:
+        report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature, dtype=dtype,
+                           device=str(device), graphs=not args.no_graphs, compiled=args.compile)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--specattn-top-p", type=float, metavar="P",
                    help="verify sparsely (SpecAttn) with the bundle's layer map at this draft top-p instead of the "
                         "calibrated one (1.0: dense); lossy by design")
+    b.add_argument("--batch", type=_positive_int, default=1, metavar="N",
+                   help="N > 1: batched speculation, our batched AR decode and HF generate (padded) over the prompts "
+                        "in batches of N")
+    b.add_argument("--batch-policy", choices=("fixed", "measured"), default="fixed",
+                   help="with --batch: the draft budget at each batch size, the served one (fixed) or measured "
+                        "first among smaller ones and plain decoding, as serving chooses (measured)")
     b.add_argument("--out", default="bench.json")
     add_random_weights_arguments(b)
     b.set_defaults(fn=cmd_bench)

@@ -2,8 +2,20 @@
 
 The pyfunc holds only the bundle (an artifact) and the target's spec (model_config): at load it resolves the
 target, checks that the bundle was built for exactly these weights, and runs our own speculative engine: on a GPU
-where one is present ($DRAFTSMITH_DEVICE=cpu|cuda chooses), there with every verify and draft step a CUDA graph
-and the draft budget that runs fastest there ($DRAFTSMITH_BUDGET=calibrated|device chooses).
+where one is present ($DRAFTSMITH_DEVICE=cpu|cuda chooses), there with the draft budget that runs fastest there
+($DRAFTSMITH_BUDGET=calibrated|device chooses).
+
+Concurrent requests are batched: one scheduler thread owns a batched engine (runtime.batch_engine), and every
+request, from whichever of the scoring server's threads, joins its queue and waits for its own rows (a request's
+rows run together). The settings, read at load ($NAME, default):
+- DRAFTSMITH_MAX_BATCH (8): rows decoded together;
+- DRAFTSMITH_MAX_QUEUE (64): rows waiting for a free one beyond those; a request that does not fit is refused at
+  once (HTTP 429);
+- DRAFTSMITH_REQUEST_TIMEOUT_S (120): a request not answered this long after it was accepted gets an error (HTTP
+  504) and its rows leave the batch (the scoring server's own limit is set above it by `pipeline serve`);
+- DRAFTSMITH_BATCH_POLICY (measured | fixed | plain): the draft budget at each batch size measured at load among
+  the bundle's budgets and plain decoding (runtime.batch_budget), the served budget at every size, or no drafting
+  at all (plain batched decoding: the baseline the load test compares with).
 """
 from __future__ import annotations
 
@@ -11,7 +23,7 @@ import math
 import os
 import subprocess
 import sys
-import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow.pyfunc
@@ -24,6 +36,41 @@ from pipeline.tracking import tracking_uri
 DEVICE_ENV = "DRAFTSMITH_DEVICE"
 BUDGET_ENV = "DRAFTSMITH_BUDGET"
 BUDGET_SOURCES = ("calibrated", "device")
+MAX_BATCH_ENV, MAX_QUEUE_ENV, TIMEOUT_ENV = "DRAFTSMITH_MAX_BATCH", "DRAFTSMITH_MAX_QUEUE", "DRAFTSMITH_REQUEST_TIMEOUT_S"
+POLICY_ENV, POLICIES = "DRAFTSMITH_BATCH_POLICY", ("measured", "fixed", "plain")
+SCORING_TIMEOUT_MARGIN_S = 30  # the scoring server's request limit sits this far above ours: ours answers first
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_batch: int = 8
+    max_queue: int = 64
+    timeout_s: float = 120.0
+    policy: str = "measured"
+
+    @staticmethod
+    def from_env() -> "BatchSettings":
+        """The settings in the environment, each checked: a bad one is a one-line error naming it."""
+        d = BatchSettings()
+
+        def number(name: str, default, kind, least):
+            raw = os.environ.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                value = kind(raw)
+            except ValueError:
+                value = None
+            if value is None or not value >= least or (kind is float and not math.isfinite(value)):
+                raise DraftsmithError(f"${name}={raw!r}: expected {'an integer' if kind is int else 'a number'} "
+                                      f">= {least}")
+            return value
+
+        policy = os.environ.get(POLICY_ENV) or d.policy
+        if policy not in POLICIES:
+            raise DraftsmithError(f"${POLICY_ENV}={policy!r}: expected one of {', '.join(POLICIES)}")
+        return BatchSettings(number(MAX_BATCH_ENV, d.max_batch, int, 1), number(MAX_QUEUE_ENV, d.max_queue, int, 0),
+                             number(TIMEOUT_ENV, d.timeout_s, float, 0.001), policy)
 
 
 def serving_device():
@@ -76,6 +123,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from runtime.device_budget import describe
         from runtime.model import Transformer
         from runtime.precision import float_dtype
+        from runtime.scheduler import Scheduler
         from runtime.served import served_engine
         from runtime.tokens import stop_ids
 
@@ -89,14 +137,22 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         target = Transformer.from_pretrained(target_dir, dtype=dtype, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         on_device = budget_source(device) == "device"
+        batching = BatchSettings.from_env()
+        probes = [self._prompt_ids(p) for p in default_bench_prompts()]
         served = served_engine(bundle, target, target.max_seq_len, fallback=ServedBudget.from_dict(settings["budget"]),
-                               device_prompt=self._prompt_ids(default_bench_prompts()[0]) if on_device else None)
+                               device_prompt=probes[0] if on_device else None)
         if served.device_report is not None:
             print(describe(served.device_report), file=sys.stderr)
-        self.engine = served.engine  # the target's whole context
+        self.engine, note = served.batched(batching.max_batch, probes if batching.policy == "measured" else None,
+                                           plain=batching.policy == "plain")
+        print(f"serving {batching.max_batch} rows at once, a queue of {batching.max_queue}, a "
+              f"{batching.timeout_s:g} s timeout; draft budget by batch size: "
+              f"{self.engine.policy.describe() if self.engine.drafter is not None else 'none (plain decoding)'}"
+              + f"; {note}" * bool(note), file=sys.stderr)
+        self.scheduler = Scheduler(self.engine, batching.max_queue, batching.timeout_s)
+        _widen_scoring_threads(batching)
         self.stop_ids = stop_ids(self.tokenizer)
         self.max_new_tokens = int(settings["max_new_tokens"])  # a row without max_new_tokens gets validate's
-        self.lock = threading.Lock()  # one engine, one KV cache: requests take turns
 
     def _prompt_ids(self, prompt: str) -> list[int]:
         from runtime.tokens import encode
@@ -104,9 +160,12 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         return encode(self.tokenizer, prompt)  # the same encoding the benchmark measures
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        """Every row of the frame in the batch at once; the answers in row order."""
+        from runtime.batch_engine import BatchRequest
         from runtime.sampling import SamplingParams
+        from runtime.scheduler import SchedulerError
 
-        answers = []
+        requests = []
         for row in model_input.to_dict(orient="records"):
             prompt = row.get("prompt")
             if not isinstance(prompt, str) or not prompt:
@@ -115,10 +174,40 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
             if not float(max_new).is_integer() or max_new < 1:
                 raise ValueError(f"max_new_tokens={max_new!r}: expected a whole number >= 1")
             sampling = SamplingParams(temperature=float(_cell(row, "temperature", 0.0)))
-            with self.lock:
-                out = self.engine.generate(self._prompt_ids(prompt), int(max_new), sampling, stop_ids=self.stop_ids)
-            answers.append(self.tokenizer.decode(out.tokens, skip_special_tokens=True))
-        return answers
+            requests.append(BatchRequest(len(requests), self._prompt_ids(prompt), int(max_new), sampling,
+                                         self.stop_ids))
+        try:
+            out = self.scheduler.generate(requests)
+        except SchedulerError as e:
+            raise _http_error(e) from None
+        return [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in out]
+
+
+def _http_error(error):
+    """The scheduler's refusal as the scoring server's error response: a full queue 429, a timeout 504."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INTERNAL_ERROR, RESOURCE_EXHAUSTED
+
+    from runtime.scheduler import QueueFull, RequestTimedOut
+
+    code = RESOURCE_EXHAUSTED if isinstance(error, QueueFull) else DEADLINE_EXCEEDED \
+        if isinstance(error, RequestTimedOut) else INTERNAL_ERROR
+    return MlflowException(str(error), error_code=code)
+
+
+def _widen_scoring_threads(settings: BatchSettings) -> None:
+    """The scoring server runs each request's predict in its event loop's default thread pool, of a few threads
+    (cores + 4): a request waiting for its answer holds one, so that pool would cap the batch. Under the scoring
+    server the model loads inside its running loop; elsewhere (mlflow.pyfunc.load_model) there is none to widen."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    # every accepted row may hold a thread, and refusals need one each for a moment
+    loop.set_default_executor(ThreadPoolExecutor(settings.max_batch + settings.max_queue + 8, "predict"))
 
 
 def serve_invocation(cfg: Config, port: int, host: str = "127.0.0.1",
@@ -131,7 +220,9 @@ def serve_invocation(cfg: Config, port: int, host: str = "127.0.0.1",
             "--host", host, "--port", str(port), "--env-manager", "local"]
     # mlflow execs `uvicorn` by name: find it beside this interpreter even when the venv is not activated.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return argv, {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri}
+    timeout = BatchSettings.from_env().timeout_s + SCORING_TIMEOUT_MARGIN_S
+    return argv, {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri,
+                  "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT": str(math.ceil(timeout))}
 
 
 def _check_alias(cfg: Config, alias: str, uri: str) -> None:

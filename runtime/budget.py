@@ -98,3 +98,35 @@ class ServedBudget:
         """The budget an EngineConfig runs."""
         c = engine_config
         return ServedBudget(c.budget, c.adaptive, c.lookup, c.max_tree)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """From each batch size on, the budget every speculating row drafts within (None: plain batched decoding)."""
+    steps: tuple[tuple[int, ServedBudget | None], ...]  # (from this many rows, budget), the first from 1 row
+    report: dict | None = field(default=None, compare=False)  # measure_policy's measurements
+
+    def __post_init__(self):
+        sizes = [n for n, _ in self.steps]
+        if not sizes or sizes[0] != 1 or sizes != sorted(set(sizes)):
+            raise ValueError(f"BatchPolicy: steps from {sizes}, expected ascending batch sizes starting at 1")
+
+    @staticmethod
+    def fixed(budget: ServedBudget | None) -> "BatchPolicy":
+        """The same budget at every batch size."""
+        return BatchPolicy(((1, budget),))
+
+    def at(self, rows: int) -> ServedBudget | None:
+        return next(b for n, b in reversed(self.steps) if n <= rows)
+
+    def budgets(self) -> list[ServedBudget | None]:
+        return [b for _, b in self.steps]
+
+    def describe(self) -> str:
+        """'1: 2x2/4+8; 4+: plain decoding'"""
+        parts = []
+        for i, (n, b) in enumerate(self.steps):
+            upto = self.steps[i + 1][0] - 1 if i + 1 < len(self.steps) else None
+            rows = f"{n}+" if upto is None else str(n) if upto == n else f"{n}-{upto}"
+            parts.append(f"{rows}: {'plain decoding' if b is None else b.label()}")
+        return "; ".join(parts)

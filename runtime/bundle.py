@@ -80,6 +80,10 @@ class Bundle:
             if self.has(DRAFT_BUDGET) else []
         return [(ServedBudget.from_dict(row), row["tau"]) for row in rows]
 
+    def budget_sweep(self) -> list[dict]:
+        """Calibrate's timed budgets (draft_budget.json's sweep: tau, tokens/s); [] for bundles without them."""
+        return json.loads(self.path(DRAFT_BUDGET).read_text()).get("sweep", []) if self.has(DRAFT_BUDGET) else []
+
     def engine_fields(self, budget: ServedBudget, specattn_top_p: float | None = None) -> dict:
         """EngineConfig fields the bundle runs with under `budget`: the calibrated KV scheme and SpecAttn (at
         `specattn_top_p` instead of the calibrated top-p, where given), and the lookup corpus the budget's branch

@@ -56,6 +56,37 @@ class Drafter(abc.ABC):
         after a commit or while track_attention is off. Drafters without attention return None (the default), and verification stays dense."""
         return None
 
+    def batched(self, rows: int) -> "BatchDrafter | None":
+        """This drafter's kind drafting `rows` sequences at once, each row's draft forwards run together (a fresh
+        state, this drafter's weights); None (the default): runtime.batch_drafter keeps one drafter per row."""
+        return None
+
+
+class BatchDrafter(abc.ABC):
+    """Drafts for the rows of a batch (runtime.batch_engine): row r's sequence bookkeeping is a Drafter's (reset,
+    propose, commit), and `move` follows the engine when it packs its busy rows together."""
+
+    vocab_size: int
+    needs_features: bool = False
+    feature_layers: tuple[int, ...] = ()  # as Drafter's
+
+    @abc.abstractmethod
+    def reset(self, row: int, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Start row's new sequence, as Drafter.reset."""
+
+    @abc.abstractmethod
+    def propose(self, rows: list[int], budgets: list[DraftBudget], params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """One tree for each of `rows`, within its budget, as Drafter.propose."""
+
+    @abc.abstractmethod
+    def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor | None]) -> None:
+        """Append each row's committed tokens and their features, as Drafter.commit."""
+
+    @abc.abstractmethod
+    def move(self, src: int, dst: int) -> None:
+        """Row src's sequence becomes row dst's; row src is left free."""
+
 
 @dataclass(frozen=True)
 class EngineExport:

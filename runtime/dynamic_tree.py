@@ -71,22 +71,45 @@ class Candidates:
         return new
 
 
+# expand_rows(requests) -> for each request (row, candidates, node_ids), [len(node_ids), V] as Expand returns: the
+# nodes every row of a batch expands at one depth, for a drafter that runs them in one forward
+ExpandRows = Callable[[list[tuple[int, "Candidates", list[int]]]], list[torch.Tensor]]
+
+
 def grow_tree(root_probs: torch.Tensor, expand: Expand, budget: DraftBudget, params: SamplingParams,
               generator: torch.Generator | None = None, keep_q: bool = False,
               vocab: DraftHead | None = None) -> DraftTree:
     """`vocab`: the head whose (possibly reduced) vocabulary root_probs and expand's rows are over; None: the
     target vocabulary."""
+    return grow_trees([root_probs], lambda requests: [expand(c, nodes) for _, c, nodes in requests], [budget],
+                      [params], [generator], [keep_q], vocab)[0]
+
+
+def grow_trees(roots: list[torch.Tensor], expand: ExpandRows, budgets: list[DraftBudget],
+               params: list[SamplingParams], generators: list[torch.Generator | None], keep_q: list[bool],
+               vocab: DraftHead | None = None) -> list[DraftTree]:
+    """grow_tree for several rows at once, depth by depth: at each depth `expand` gets every row's nodes to expand
+    (rows whose tree is done are left out), so a drafter can run them in one forward. Row i's tree, its draws and
+    its order are those grow_tree makes of roots[i] with budgets[i], params[i] and generators[i]."""
     token_ids = None if vocab is None else vocab.keep_ids
-    c = Candidates(token_ids)
-    frontier = c.add_children(0, root_probs, budget.width, params, generator)
-    for _ in range(budget.depth - 1):
-        if not frontier:
+    rows = [Candidates(token_ids) for _ in roots]
+    frontiers = [c.add_children(0, root, b.width, p, g)
+                 for c, root, b, p, g in zip(rows, roots, budgets, params, generators)]
+    for level in range(1, max(b.depth for b in budgets)):
+        requests = [(i, c, sorted(f, key=lambda n: (-c.eff[n], n))[: budgets[i].width])
+                    for i, (c, f) in enumerate(zip(rows, frontiers)) if f and level < budgets[i].depth]
+        if not requests:
             break
-        chosen = sorted(frontier, key=lambda i: (-c.eff[i], i))[: budget.width]
-        probs = expand(c, chosen)
-        frontier = []
-        for node, p in zip(chosen, probs):
-            frontier += c.add_children(node + 1, p, budget.width, params, generator)
+        for (i, c, chosen), probs in zip(requests, expand(requests)):
+            frontiers[i] = []
+            for node, p in zip(chosen, probs):
+                frontiers[i] += c.add_children(node + 1, p, budgets[i].width, params[i], generators[i])
+    return [_kept_tree(c, b, root, q, vocab) for c, b, root, q in zip(rows, budgets, roots, keep_q)]
+
+
+def _kept_tree(c: "Candidates", budget: DraftBudget, root_probs: torch.Tensor, keep_q: bool,
+               vocab: DraftHead | None) -> DraftTree:
+    """The global top `nodes` of a row's candidates, parents before children (and q, where kept)."""
     limit = budget.nodes or budget.depth * budget.width
     keep = sorted(sorted(range(len(c.tokens)), key=lambda i: (-c.eff[i], i))[:limit])
     index = {old: new for new, old in enumerate(keep)}

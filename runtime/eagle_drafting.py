@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.batch_eagle import BatchEagle
 from runtime.budget import DraftBudget
 from runtime.cpu_packing import pack_for_cpu
 from runtime.draft_head import DraftHead
@@ -137,6 +138,9 @@ class EagleDrafter(Drafter):
         if features.shape[-1] != self.model.feature_dim:
             raise ValueError(f"EagleDrafter: target features {features.shape[-1]} wide, expected "
                              f"{self.model.feature_dim} (the streams entering layers {self.feature_layers})")
+
+    def batched(self, rows: int) -> BatchEagle:
+        return BatchEagle(self.model, rows, self.cache.max_len)
 
     @torch.inference_mode()
     def propose(self, budget: DraftBudget, params: SamplingParams,

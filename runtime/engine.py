@@ -276,18 +276,23 @@ class Engine:
         return hidden if self.drafter is not None and self.drafter.needs_features else None
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty: at least one prompt token is needed")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_ids contains {bad[:3]}, outside the target vocabulary 0..{vocab - 1}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}, expected an int >= 1")
-        # every token but the last generated one passes through the cache
-        if len(prompt_ids) + max_new_tokens - 1 > self.cfg.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} does not fit the "
-                             f"KV cache of max_seq_len={self.cfg.max_seq_len}")
+        check_request(prompt_ids, max_new_tokens, self.target.config.vocab_size, self.cfg.max_seq_len)
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, vocab: int, max_seq_len: int) -> None:
+    """A clear error for a request an engine cannot run: an empty prompt, ids outside the vocabulary, a bad
+    max_new_tokens, or more tokens than the KV cache holds."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: at least one prompt token is needed")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt_ids contains {bad[:3]}, outside the target vocabulary 0..{vocab - 1}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}, expected an int >= 1")
+    # every token but the last generated one passes through the cache
+    if len(prompt_ids) + max_new_tokens - 1 > max_seq_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} does not fit the "
+                         f"KV cache of max_seq_len={max_seq_len}")
 
 
 class _Clock:

@@ -163,20 +163,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def attention_mask(lengths: Tensor, positions: Tensor, n_live: int, tree_mask: Tensor | None,
                    window: int | None = None, always: bool = False) -> Tensor | None:
     """[B, 1, T, n_live] bool: the committed prefix (slots < lengths[b]), plus the new tokens `tree_mask` [T, T]
-    allows (causal when None), minus keys a sliding `window` excludes. None when one decode token may see every
-    live key (no mask to build or apply), unless `always` (static shapes read keys beyond the live ones)."""
+    allows (causal when None; [B, T, T]: each sequence its own tree), minus keys a sliding `window` excludes. None
+    when one decode token may see every live key (no mask to build or apply), unless `always` (static shapes read
+    keys beyond the live ones)."""
     B, T = positions.shape
     if B == 1 and T == 1 and (window is None or n_live <= window) and not always:
         return None
     device = positions.device
     if tree_mask is None:
         tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    elif tree_mask.shape != (T, T):
-        raise ValueError(f"tree_mask has shape {tuple(tree_mask.shape)}, expected ({T}, {T})")
+    elif tree_mask.shape not in ((T, T), (B, T, T)):
+        raise ValueError(f"tree_mask has shape {tuple(tree_mask.shape)}, expected ({T}, {T}) or ({B}, {T}, {T})")
     key = torch.arange(n_live, device=device)
     offset = key[None, :] - lengths[:, None]  # [B, n_live]: index among the new tokens, < 0 for the prefix
     is_new = (offset >= 0) & (offset < T)
-    new_visible = tree_mask[:, offset.clamp(0, T - 1)].permute(1, 0, 2)  # [B, T, n_live]
+    columns = offset.clamp(0, T - 1)
+    new_visible = tree_mask[:, columns].permute(1, 0, 2) if tree_mask.dim() == 2 else \
+        tree_mask.gather(2, columns[:, None, :].expand(B, T, n_live))  # [B, T, n_live]
     mask = (offset < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
     if window is not None:  # keys keep their slot as position; queries use their (tree) position
         mask &= positions[:, :, None] - key[None, None, :] < window

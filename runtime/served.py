@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from runtime.budget import ServedBudget
+from runtime.batch_budget import NEW_TOKENS as BATCH_NEW_TOKENS, measure_policy
+from runtime.batch_engine import BatchEngine
+from runtime.budget import BatchPolicy, ServedBudget
 from runtime.bundle import Bundle
 from runtime.device_budget import NEW_TOKENS, choose_on_device
 from runtime.drafter import Drafter
@@ -25,6 +27,15 @@ def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
             "ours_spec_graph is lossless if it equals ours_ar_graph, ours_ar runs the quantised cache")
 
 
+def batch_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
+    """The batched engine's config (runtime.batch_engine: full-precision KV, dense verification), and a note naming
+    what it drops from `cfg`."""
+    dropped = [what for what, on in (("the quantised KV cache", cfg.kv_scheme), ("SpecAttn", cfg.sparse)) if on]
+    note = f"batched rows run without {' and '.join(dropped)}: one boundary or key selection per sequence " \
+           "is not shared by a batch" if dropped else ""
+    return replace(cfg, kv_scheme=None, sparse=None), note
+
+
 @dataclass(frozen=True)
 class ServedEngine:
     engine: Engine
@@ -32,11 +43,46 @@ class ServedEngine:
     eager_config: EngineConfig  # the same settings without static steps (a quantised KV cache included)
     new_drafter: Callable[[], Drafter]  # a fresh drafter of the same bundle
     device_report: dict | None = None  # choose_on_device's, where the budget was chosen by timing this device
+    # budgets a batch may draft within, smaller than `budget`, with calibrate's tau where it measured one
+    batch_candidates: tuple[tuple[ServedBudget, float | None], ...] = ()
 
     def plain(self) -> Engine:
         """Our autoregressive decode with the same target, cache and verifier: the baseline speculation is
         measured against (dense: it reads every key)."""
         return Engine(self.engine.target, None, replace(self.engine.cfg, sparse=None))
+
+    def batched(self, max_batch: int, policy_prompts: list[list[int]] | None = None, plain: bool = False,
+                new_tokens: int = BATCH_NEW_TOKENS) -> tuple[BatchEngine, str]:
+        """The engine serving up to `max_batch` rows at once, and a note on what it runs. With `policy_prompts` its
+        draft budget at each batch size is measured here (runtime.batch_budget) among `budget`, the smaller
+        batch_candidates and plain decoding; without, `budget` at every batch size. `plain`: no drafter, plain
+        batched decoding (our batched autoregressive baseline)."""
+        cfg, note = batch_config(self.engine.cfg)
+        if plain:
+            return BatchEngine(self.engine.target, None, cfg, max_batch), note
+        policy = BatchPolicy.fixed(self.budget)
+        if policy_prompts is not None:
+            candidates = [(self.budget, None)] + [c for c in self.batch_candidates if c[0] != self.budget]
+            policy = measure_policy(self.engine.target, self.new_drafter, cfg, candidates, policy_prompts, max_batch,
+                                    new_tokens)
+        return BatchEngine(self.engine.target, self.new_drafter, cfg, max_batch, policy), note
+
+
+def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> list[tuple[ServedBudget, float]]:
+    """Up to `most` of calibrate's fixed sweep budgets (rows with tau) that verify fewer rows than `budget`, for a
+    growing batch: the best tau among those verifying at most 1/2, 1/4, ... of its rows, down to a single node."""
+    def rows(b: ServedBudget) -> int:
+        n = b.tree.max_nodes + b.lookup
+        return min(n, b.max_tree) if b.max_tree else n
+
+    fixed = [(ServedBudget.from_dict(r), r["tau"]) for r in sweep if not r.get("adaptive") and "tau" in r]
+    out, limit = [], rows(budget) // 2
+    while limit >= 1 and len(out) < most:
+        fits = [c for c in fixed if rows(c[0]) <= limit and c not in out]
+        if fits:
+            out.append(max(fits, key=lambda c: c[1]))
+        limit //= 2
+    return out
 
 
 def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fallback: ServedBudget = ServedBudget(),
@@ -61,4 +107,6 @@ def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fall
     if candidates:
         best, report = choose_on_device(target, new_drafter, candidates, device_prompt, config, new_tokens)
         chosen = candidates[best][0]
-    return ServedEngine(Engine(target, new_drafter(), config(chosen)), chosen, eager(chosen), new_drafter, report)
+    smaller = smaller_budgets(chosen, bundle.budget_sweep())
+    return ServedEngine(Engine(target, new_drafter(), config(chosen)), chosen, eager(chosen), new_drafter, report,
+                        tuple(smaller))

@@ -32,7 +32,11 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     """Longest path whose every token is the target argmax at its parent row; bonus = argmax at its last row."""
     _check_rows(tree, target_logits, "target_logits")
     # in fp32: exact, the same first-maximum ties, and on the CPU faster than a bf16 argmax
-    best = target_logits.float().argmax(-1).tolist()
+    return _greedy_walk(tree, target_logits.float().argmax(-1).tolist())
+
+
+def _greedy_walk(tree: DraftTree, best: list[int]) -> Verdict:
+    """verify_greedy given the target's argmax at each row (root first)."""
     tokens = tree.host_lists().tokens
     children = tree.children()
     accepted: list[int] = []
@@ -82,6 +86,25 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
     _check_rows(tree, target_logits, "target_logits")
     # warp only the rows the walk visits (at most depth + 1 of the N + 1): top-p costs milliseconds per row on CPU
     return _rejection_walk(tree, lambda row: warp(target_logits[row], params), target_logits.shape[-1], generator)
+
+
+def verify_batch(trees: list[DraftTree], target_logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[Verdict]:
+    """Each row's tree against its own rows of one batched forward, target_logits [B, T, V]: row b's root at
+    [b, 0], its node i at [b, i + 1], padding after its last node. Each row verifies with its own params and
+    generator; the greedy rows' argmax is read from the device once for all of them."""
+    B = target_logits.shape[0]
+    if not len(trees) == len(params) == len(generators) == B:
+        raise ValueError(f"verify_batch: {len(trees)} trees, {len(params)} params and {len(generators)} generators "
+                         f"for a batch of {B}")
+    longest = max(len(t) for t in trees) + 1
+    if target_logits.dim() != 3 or target_logits.shape[1] < longest:
+        raise ValueError(f"verify_batch: target_logits {tuple(target_logits.shape)}, expected [{B}, >= {longest}, V]")
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    best = dict(zip(greedy, target_logits[greedy, :longest].float().argmax(-1).tolist())) if greedy else {}
+    return [_greedy_walk(tree, best[b]) if b in best else
+            verify(tree, target_logits[b, :len(tree) + 1], params[b], generators[b])
+            for b, tree in enumerate(trees)]
 
 
 def _rejection_walk(tree: DraftTree, target_row: Callable[[int], torch.Tensor], vocab: int,

@@ -3,10 +3,14 @@ static steps' key spans."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# served models keep their budget at every batch size unless a test asks for it measured (at load, which takes a while)
+os.environ.setdefault("DRAFTSMITH_BATCH_POLICY", "fixed")
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)

@@ -3,56 +3,20 @@ port), and a run store holding a validated bundle to register."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from export.bundle import write_bundle
+from pipeline.bench.load import free_port, stop, wait_healthy  # noqa: F401 - the tests' servers use them too
 from pipeline.home import write_json_atomic
 from pipeline.runstore import RunStore, StageResult
 from pipeline.stages import StageContext
 from pipeline.tracking import stage_run
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the test process is an MLflow client too
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
-    """Poll `url` until it answers 200; fail early with the server's log if the process died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered:\n"
-                               f"{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server started in its own session, workers included."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 @contextmanager

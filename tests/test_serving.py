@@ -195,3 +195,57 @@ def test_pyfunc_serves_the_device_candidate_that_runs_fastest_here(tmp_path, tin
     answer = served["device"].predict(pd.DataFrame([{"prompt": prompt, "max_new_tokens": 24.0}]))
     dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))
     assert answer == plain_greedy(tiny_chat_target, [prompt], 24, dtype)
+
+
+def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path, tiny_chat_target, monkeypatch):
+    """Two rows at once and no queue: three callers in parallel (one with two rows) each get their own greedy
+    answers; a request of more rows than the server holds is refused at once with HTTP 429; bad settings are
+    one-line errors naming the variable."""
+    import threading
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.serving import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV, TIMEOUT_ENV, BatchSettings
+
+    cfg = registry_cfg(tmp_path, tiny_chat_target)
+    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target))
+    model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
+    for name, value in ((MAX_BATCH_ENV, "2"), (MAX_QUEUE_ENV, "1"), (POLICY_ENV, "fixed"), (TIMEOUT_ENV, "600")):
+        monkeypatch.setenv(name, value)
+    model = mlflow.pyfunc.load_model(model_uri)
+    engine = model.unwrap_python_model().engine
+    assert engine.max_batch == 2 and model.unwrap_python_model().scheduler.capacity == 3
+    frames = [[{"prompt": "w5 w6 w7 w5 w6", "max_new_tokens": 20.0}],
+              [{"prompt": "w40 w41 w40", "max_new_tokens": 14.0}, {"prompt": "w9 w8 w9 w8", "max_new_tokens": 9.0}],
+              [{"prompt": "w60 w61 w62", "max_new_tokens": 17.0}]]
+    answers, errors = {}, []
+
+    def call(i):
+        try:
+            answers[i] = model.predict(pd.DataFrame(frames[i]))
+        except Exception as e:  # noqa: BLE001 - QueueFull is possible: 3 rows fit, 4 are asked
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))
+    for i, frame in enumerate(frames):
+        if i in answers:
+            assert answers[i] == [plain_greedy(tiny_chat_target, [r["prompt"]], int(r["max_new_tokens"]), dtype)[0]
+                                  for r in frame]
+    assert len(answers) + len(errors) == 3 and len(answers) >= 2
+    assert all(isinstance(e, MlflowException) and e.get_http_status_code() == 429 for e in errors)
+    with pytest.raises(MlflowException, match="a request of 4 rows can never fit") as refused:
+        model.predict(pd.DataFrame([{"prompt": "w5"}] * 4))
+    assert refused.value.get_http_status_code() == 429
+    for name, value, match in ((MAX_BATCH_ENV, "0", "DRAFTSMITH_MAX_BATCH='0': expected an integer >= 1"),
+                               (TIMEOUT_ENV, "soon", "DRAFTSMITH_REQUEST_TIMEOUT_S='soon': expected a number"),
+                               (POLICY_ENV, "always", "DRAFTSMITH_BATCH_POLICY='always': expected one of")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(DraftsmithError, match=match):
+            BatchSettings.from_env()
+        monkeypatch.delenv(name)

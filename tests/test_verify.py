@@ -358,3 +358,4 @@ def test_rejection_step_bugs_fail_the_same_check(monkeypatch, wrong_reject, widt
     counts, expected = _simulate(widths, SAMPLE, verify_sampling, seed=1)
     with pytest.raises(AssertionError, match="chi2"):
         _assert_matches(counts, expected)
+

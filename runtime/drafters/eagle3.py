@@ -38,7 +38,7 @@ def aux_layers(requested, n_layers: int) -> tuple[int, ...]:
         layers = default_aux_layers(n_layers)
         if len(set(layers)) < AUX or min(layers) < 1:
             raise ValueError(f"a target of {n_layers} layers is too shallow for EAGLE-3's three distinct layers "
-                             f"(2, L/2, L-3 = {layers}); expected at least 6 layers, or drafter.aux_layers")
+                             f"(2, L/2, L-3 = {layers}); expected at least 7 layers, or drafter.aux_layers")
         return layers
     layers = tuple(requested)
     if len(layers) != AUX or len(set(layers)) != AUX or list(layers) != sorted(layers):

@@ -1,0 +1,279 @@
+"""The batched engine: every row equals its batch-1 decode (greedy) or keeps the target's distribution (sampled),
+whatever drafter kind drafts and however rows join, leave and share steps; the batch policy it follows."""
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from test_engine import NoisyOracle
+
+from runtime.batch_budget import batch_sizes, measure_policy
+from runtime.batch_engine import BatchEngine, BatchRequest
+from runtime.budget import BatchPolicy, DraftBudget, ServedBudget
+from runtime.drafters.eagle3 import Eagle3Model, aux_layers
+from runtime.eagle_drafting import EagleDrafter
+from runtime.drafters.lm import LMDrafter
+from runtime.drafters.medusa import MedusaDrafter
+from runtime.engine import Engine, EngineConfig
+from runtime.model import Transformer
+from runtime.ngram import NgramDrafter
+from runtime.sampling import SamplingParams, warp
+from train.recipes.eagle import build_eagle
+from train.recipes.lm import build_lm
+from train.recipes.medusa import build_medusa
+
+PROMPTS = [[5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9], [1, 2, 3, 4, 5, 6], [9, 9, 8, 7], [40, 41, 40, 41, 40],
+           [3], [7, 70, 7, 70, 7, 70, 12]]
+NEW_TOKENS = [40, 25, 33, 50, 10, 30]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+
+
+def _perturbed(model, seed=0, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a random drafter that proposes varied trees, some nodes right and some wrong
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+class RowOracle(NoisyOracle):
+    """NoisyOracle for whichever prompt its row gets: it knows each prompt's greedy continuation and hides the right
+    token among wrong siblings at a random place, so accepted paths leave the tree's first nodes (compaction)."""
+
+    def __init__(self, vocab_size: int, references: list[list[int]], seed: int):
+        super().__init__(vocab_size, [], p_right=0.7, width=3, seed=seed)
+        self.references = references
+
+    def reset(self, tokens, features):
+        super().reset(tokens, features)
+        self.reference = next(r for r in self.references if r[:tokens.numel() - 1] == tokens.tolist()[:-1])
+
+
+def drafter_factory(kind: str, target: Transformer):
+    if kind == "oracle":
+        references = [p + t for p, t in zip(PROMPTS, batch1(target, lengths=[n + 8 for n in NEW_TOKENS]))]
+        seeds = itertools.count()
+        return lambda: RowOracle(target.config.vocab_size, references, next(seeds))
+    if kind == "ngram":
+        return lambda: NgramDrafter(target.config.vocab_size)
+    if kind == "eagle":
+        model = _perturbed(build_eagle(target, None))
+        return lambda: EagleDrafter(model, 128)
+    if kind == "medusa":
+        heads = _perturbed(build_medusa(target, num_heads=3, keep_ids=None))
+        return lambda: MedusaDrafter(heads)
+    model = _perturbed(build_lm(target, layers=1, init="target"))
+    return lambda: LMDrafter(model, 128)
+
+
+def batch1(target, prompts=PROMPTS, lengths=NEW_TOKENS, stop_ids=()):
+    engine = Engine(target, None, EngineConfig(max_seq_len=128))
+    return [engine.generate(p, n, stop_ids=stop_ids).tokens for p, n in zip(prompts, lengths)]
+
+
+@pytest.fixture(scope="module")
+def peaked(tiny_model_dir):
+    """Untied, with a large init: peaked next tokens that depend on the whole context (the tied tiny model mostly
+    repeats its last token, which a wrong KV slot would not change)."""
+    return Transformer.from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=128)
+
+
+def rows_equal_batch1(target, new_drafter, fields: dict, batched: bool) -> None:
+    """Six requests through three rows: rows join as others finish, trees of different sizes share a verify, one
+    request ends early on a stop id; every row's tokens are its batch-1 decode's."""
+    stop = batch1(target)[0][20]
+    want = batch1(target, stop_ids=(stop,))
+    for budget in (DraftBudget(4), DraftBudget(3, 2, 5)):
+        cfg = EngineConfig(max_seq_len=100, budget=budget, **fields)
+        engine = BatchEngine(target, new_drafter, cfg, max_batch=3)
+        assert type(engine.drafter).__name__ == ("BatchEagle" if batched else "PerRowDrafters")
+        engine.step_times = []
+        out = engine.generate([BatchRequest(i, p, n, stop_ids=(stop,)) for i, (p, n) in
+                               enumerate(zip(PROMPTS, NEW_TOKENS))])
+        assert [g.tokens for g in out] == want
+        assert max(n for n, _ in engine.step_times) == 3 and not engine.busy
+        assert sum(g.metrics.draft_nodes for g in out) > 0
+        assert sum(g.metrics.target_forwards for g in out) < sum(len(g.tokens) - 1 for g in out)  # drafts accepted
+
+
+@pytest.mark.parametrize("kind,fields", [
+    ("ngram", {}), ("eagle", {"lookup": 4}), ("eagle", {"static_verify": True}), ("medusa", {}), ("lm", {"lookup": 3}),
+], ids=["ngram", "eagle-batched-lookup", "eagle-per-row-static", "medusa", "lm-lookup"])
+def test_every_row_equals_its_batch1_greedy_decode(target, kind, fields):
+    rows_equal_batch1(target, drafter_factory(kind, target), fields,
+                      batched=kind == "eagle" and not fields.get("static_verify"))
+
+
+def test_rows_accepting_paths_off_their_first_nodes_keep_only_those(peaked):
+    """The oracle hides the right token among wrong siblings, so accepted nodes are rarely the tree's first ones:
+    each row's cache must keep exactly its accepted path's KV, on a target whose answer depends on all of it."""
+    assert len(set(batch1(peaked)[0])) > 20  # a varied answer
+    rows_equal_batch1(peaked, drafter_factory("oracle", peaked), {}, batched=False)
+
+
+def test_plain_batched_decoding_equals_batch1(target):
+    out = BatchEngine(target, None, EngineConfig(max_seq_len=100), max_batch=4).generate(
+        [BatchRequest(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))])
+    assert [g.tokens for g in out] == batch1(target)
+    assert all(g.metrics.tau == 1.0 and g.metrics.draft_nodes == 0 for g in out)
+
+
+def test_rows_join_and_leave_between_steps(target):
+    """Plain decoding (a token a row a step): request 2 takes request 0's row the step after it ends, and request 1
+    finishes alone once request 2 has left."""
+    engine = BatchEngine(target, None, EngineConfig(max_seq_len=100), max_batch=2)
+    engine.step_times = []
+    for i, n in enumerate((5, 60, 12)):
+        engine.submit(BatchRequest(i, PROMPTS[i], n))
+    finished_at = {}
+    while engine.busy:
+        for key in engine.step():
+            finished_at[key] = len(engine.step_times)
+    assert finished_at == {0: 4, 2: 15, 1: 59}  # the prefill gives each its first token
+    assert [n for n, _ in engine.step_times] == [2] * 15 + [1] * 44
+    engine = BatchEngine(target, drafter_factory("ngram", target), EngineConfig(max_seq_len=100), max_batch=2)
+    engine.submit(BatchRequest("a", PROMPTS[0], 30))
+    engine.submit(BatchRequest("b", PROMPTS[1], 30))
+    engine.step()
+    assert engine.cancel("a") and engine.running == 1 and not engine.cancel("a")
+    done = {}
+    while engine.busy:
+        done.update(engine.step())
+    assert list(done) == ["b"] and done["b"].tokens == batch1(target, [PROMPTS[1]], [30])[0]
+    with pytest.raises(ValueError, match="already queued or running"):
+        engine.submit(BatchRequest("c", PROMPTS[0], 5))
+        engine.submit(BatchRequest("c", PROMPTS[0], 5))
+
+
+def test_bad_settings_and_requests_are_refused(target):
+    with pytest.raises(ValueError, match="full-precision KV cache"):
+        BatchEngine(target, None, EngineConfig(max_seq_len=64, kv_scheme="int8"), max_batch=2)
+    with pytest.raises(ValueError, match="max_batch=0"):
+        BatchEngine(target, None, EngineConfig(max_seq_len=64), max_batch=0)
+    engine = BatchEngine(target, None, EngineConfig(max_seq_len=32), max_batch=2)
+    with pytest.raises(ValueError, match="does not fit the KV cache of max_seq_len=32"):
+        engine.submit(BatchRequest(0, list(range(30)), 5))
+    with pytest.raises(ValueError, match=r"contains \[96\]"):
+        engine.submit(BatchRequest(0, [1, 96], 3))
+
+
+def test_sampled_rows_keep_the_target_distribution_beside_a_greedy_row(target):
+    """Five rows a step: two prompts sampled twice each (Medusa's drawn trees, verified against q) and a greedy one.
+    Each sampled prompt's first three tokens follow the target's exact probabilities (chi-square); the greedy row
+    is its batch-1 decode every time."""
+    params = SamplingParams(temperature=1.0, top_k=2)
+    prompts = [PROMPTS[0][:6], PROMPTS[3], PROMPTS[1]]
+    greedy = batch1(target, [prompts[2]], [3])[0]
+    cfg = EngineConfig(max_seq_len=32, budget=DraftBudget(depth=2, width=2), adaptive=False)
+    engine = BatchEngine(target, drafter_factory("medusa", target), cfg, max_batch=5)
+    gen = torch.Generator().manual_seed(0)
+    trials = 300
+    counts = [Counter(), Counter()]
+    for trial in range(trials):
+        sampled = [BatchRequest((trial, r), prompts[r % 2], 3, params, generator=gen) for r in range(4)]
+        out = engine.generate(sampled + [BatchRequest((trial, 4), prompts[2], 3)])
+        for r in range(4):
+            counts[r % 2][tuple(out[r].tokens)] += 1
+        assert out[4].tokens == greedy
+    n = 2 * trials
+
+    def probs(seq):
+        with torch.no_grad():
+            logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+        return warp(logits[0, -1], params)
+
+    for prompt, seen in zip(prompts, counts):
+        exact = {}
+        p1 = probs(prompt)
+        for a in p1.nonzero().flatten().tolist():
+            p2 = probs(prompt + [a])
+            for b in p2.nonzero().flatten().tolist():
+                p3 = probs(prompt + [a, b])
+                for c in p3.nonzero().flatten().tolist():
+                    exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+        assert set(seen) <= set(exact)
+        chi2 = sum((seen.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+        dof = len(exact) - 1
+        assert chi2 < dof + 5 * math.sqrt(2 * dof)  # about 5 standard deviations of a chi-square
+
+
+def test_the_engine_drafts_what_the_policy_says_for_its_batch_size(target):
+    tree = ServedBudget(DraftBudget(3, 2, 5))
+    policy = BatchPolicy(((1, tree), (2, ServedBudget(DraftBudget(1))), (3, None)))
+    assert [policy.at(n) for n in (1, 2, 3, 9)] == [tree, ServedBudget(DraftBudget(1)), None, None]
+    assert policy.describe() == "1: 3x2/5; 2: 1x1/1; 3+: plain decoding"
+    with pytest.raises(ValueError, match="starting at 1"):
+        BatchPolicy(((2, None),))
+    new = drafter_factory("ngram", target)
+    sizes = []  # (rows in the step, most nodes a row drafted)
+
+    class Spy(NgramDrafter):
+        def propose(self, budget, params, generator=None):
+            sizes.append((engine.running, budget.max_nodes))
+            return super().propose(budget, params, generator)
+
+    engine = BatchEngine(target, lambda: Spy(target.config.vocab_size), EngineConfig(max_seq_len=100,
+                         budget=DraftBudget(3, 2, 5), adaptive=False), max_batch=3, policy=policy)
+    out = engine.generate([BatchRequest(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS[:3], (8, 40, 20)))])
+    assert [g.tokens for g in out] == batch1(target, PROMPTS[:3], (8, 40, 20))
+    assert {rows for rows, _ in sizes} == {1, 2}  # three rows a step: plain decoding, no drafting
+    assert all(nodes <= (5 if rows == 1 else 1) for rows, nodes in sizes)
+    assert new is not None
+
+
+def test_measured_policy_keeps_the_fastest_option_at_each_batch_size(target):
+    assert batch_sizes(6) == [1, 2, 4, 6] and batch_sizes(1) == [1]
+    cfg = EngineConfig(max_seq_len=100)
+    candidates = [(ServedBudget(DraftBudget(3)), None), (ServedBudget(DraftBudget(1)), 1.5)]
+    policy = measure_policy(target, drafter_factory("ngram", target), cfg, candidates, PROMPTS[:3], max_batch=4,
+                            new_tokens=8, repeats=1)
+    by_batch = policy.report["by_batch"]
+    assert [r["rows"] for r in by_batch] == [1, 2, 4]
+    for r in by_batch:
+        best = max(r["options"], key=lambda o: o["tokens_per_s"])
+        assert r["chosen"] == best["budget"] and policy.at(r["rows"]) == next(
+            (b for b, _ in candidates if b.spec == best["budget"]), None)
+        assert r["options"][2]["tau"] == 1.5 and r["options"][2]["calibrated_tau"]
+        assert r["options"][0]["budget"] is None and all(o["step_ms"] > 0 for o in r["options"])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_batched_eagle_proposes_each_rows_own_tree(target, params):
+    """EAGLE's batched forward (one causal step for every row's pending pairs, one step a depth for every row's
+    expanded nodes) proposes, row by row, the tree EagleDrafter proposes for that sequence alone: rows of
+    different lengths and budgets, a row that does not draft, and a second round after commits."""
+    new = drafter_factory("eagle", target)
+    batched, alone = new().batched(3), [new() for _ in range(3)]
+    ids = torch.randint(0, 96, (3, 14), generator=torch.Generator().manual_seed(3))
+    for r, n in enumerate((14, 9, 5)):
+        with torch.no_grad():
+            hidden = target.run(ids[r:r + 1, :n], target.new_cache(1, 64), torch.arange(n)[None]).hidden[0]
+        batched.reset(r, ids[r, :n], hidden[:-1])
+        alone[r].reset(ids[r, :n], hidden[:-1])
+    budgets = {0: DraftBudget(4, 3, 10), 1: DraftBudget(2, 2, 3), 2: DraftBudget(3)}
+    for rows in ([0, 1, 2], [0, 2]):
+        seeds = {r: torch.Generator().manual_seed(10 + r) for r in rows}
+        got = batched.propose(rows, [budgets[r] for r in rows], [params] * len(rows), [seeds[r] for r in rows])
+        for r, tree in zip(rows, got):
+            want = alone[r].propose(budgets[r], params, torch.Generator().manual_seed(10 + r))
+            assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
+            torch.testing.assert_close(tree.scores, want.scores)
+            if not params.greedy:
+                torch.testing.assert_close(tree.q, want.q)
+        committed = {r: torch.randint(0, 96, (2,), generator=torch.Generator().manual_seed(r)) for r in range(3)}
+        features = {r: torch.randn(2, target.config.dim, generator=torch.Generator().manual_seed(r)) for r in range(3)}
+        batched.commit(rows, [committed[r] for r in rows], [features[r] for r in rows])
+        for r in rows:
+            alone[r].commit(committed[r], features[r])
+
+
+def test_eagle3_rows_equal_their_batch1_greedy_decode(tiny_model_dir):
+    """eagle3 drafts a batch from the streams the batched verify taps: wrong or missing streams change its trees."""
+    target = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=8), max_seq_len=128)
+    model = _perturbed(Eagle3Model.from_target(target, None, aux_layers(None, 8)))
+    rows_equal_batch1(target, lambda: EagleDrafter(model, 128), {"lookup": 2}, batched=True)

@@ -1,7 +1,6 @@
 """`pipeline`: run stages, show a run's state, benchmark the runtime."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -10,8 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline.errors import DraftsmithError
+from pipeline.flags import Parser, bounded
 from runtime.bundle import BundleError
-from pipeline.bench.random_weights import add_arguments as add_random_weights_arguments, default_device
+from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
 from runtime.host_memory import keep_freed_memory
 
 console = Console(stderr=True)
@@ -240,16 +240,10 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     from pipeline.stages import STAGE_NAMES
 
-    p = argparse.ArgumentParser(prog="pipeline", description="Train, calibrate, validate and register drafters.")
+    p = Parser(prog="pipeline", description="Train, calibrate, validate and register drafters.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the stages (all, or one with --stage)")
     r.add_argument("--config", help="YAML config (default: the embedded default)")
@@ -284,24 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "speculative row")
     b.add_argument("--prompts", help="file: one prompt per line, or JSONL with a string 'prompt' or token 'ids' "
                    "(validate writes its prompts so: runs/<id>/validate/prompts.jsonl)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--temperature", type=bounded(float, 0), default=0.0)
     b.add_argument("--budget", metavar="DxW[/N][+L][@T]|device",
                    help="draft budget instead of the bundle's calibrated one (default for ngram and uncalibrated "
                         "bundles: a depth-5 chain): depth x width, at most N nodes, L lookup nodes, a verify of at "
                         "most T nodes; e.g. 2x3/6+8@5. 'device': the bundle's device candidate that runs fastest "
                         "on this device, timed first (as serving on a GPU chooses)")
-    b.add_argument("--specattn-top-p", type=float, metavar="P",
+    b.add_argument("--specattn-top-p", type=bounded(float, 0, 1, above=True), metavar="P",
                    help="verify sparsely (SpecAttn) with the bundle's layer map at this draft top-p instead of the "
                         "calibrated one (1.0: dense); lossy by design")
-    b.add_argument("--batch", type=_positive_int, default=1, metavar="N",
+    b.add_argument("--batch", type=bounded(int, 1), default=1, metavar="N",
                    help="N > 1: batched speculation, our batched AR decode and HF generate (padded) over the prompts "
                         "in batches of N")
     b.add_argument("--batch-policy", choices=("fixed", "measured"), default="fixed",
                    help="with --batch: the draft budget at each batch size, the served one (fixed) or measured "
                         "first among smaller ones and plain decoding, as serving chooses (measured)")
-    b.add_argument("--out", default="bench.json")
-    add_random_weights_arguments(b)
+    add_bench_arguments(b, out="bench.json")
     b.set_defaults(fn=cmd_bench)
     return p
 

@@ -64,7 +64,10 @@ class Packable:
                                                     and (x.requires_grad or self.weight.requires_grad))
         if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= OWN_MAX_ROWS * x.shape[-1]:
             return cpu_gemm.small_linear(x, self.panels, self.weight.shape[0], bias)
-        if self.packed is not None and inference and x.dtype == self.packed.dtype \
+        # inductor lowers a prepacked product only for a weight it froze and packed itself: traced by torch.compile,
+        # the plain product lets it choose
+        prepacked = self.packed is not None and inference and not torch.compiler.is_compiling()
+        if prepacked and x.dtype == self.packed.dtype \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
             if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:
                 rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)

@@ -1,9 +1,10 @@
-"""Shared fixtures: tiny random HF checkpoints of each supported family, the real SmolLM2 (slow tests), and the
-static steps' key spans."""
+"""Shared fixtures: tiny random HF checkpoints of each supported family (one with a chat tokenizer), the real
+SmolLM2 (slow tests), and the static steps' key spans."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,29 @@ def smollm2_dir() -> Path:
     from pipeline.sources import resolve_target
 
     return resolve_target("smollm2-135m-instruct")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_target(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny random llama plus a word-level tokenizer with a chat template (its 96 ids are words).
+
+    Untied: with tied embeddings a random model just repeats its last token, which any drafter guesses."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("chat-target") / "model"
+    shutil.copytree(tiny_model_dir("llama"), out)
+    specials = ["<unk>", "<eos>", "<user>", "<assistant>"]
+    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(len(specials), 96)])}
+    words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
+import random
 import subprocess
 import sys
 from typing import Callable
@@ -11,9 +13,11 @@ import torch
 
 from pipeline.runstore import RunStore
 from pipeline.stages import StageContext
+from runtime.drafter import Drafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
 from train.data import TokenizedSet
 
 
@@ -53,3 +57,77 @@ def run_in_triton_interpreter(check: Callable[..., None], *args: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def chi_square_critical(df: int, z: float = 4.7534) -> float:
+    """Chi-square quantile at 1 - 1e-6 (z = its normal quantile) by Wilson-Hilferty; scipy is not a dependency.
+    It overestimates the exact quantile by 15% at df 1 down to 0.6% at df 35 (37.5 vs 35.9 at df 5), i.e. errs
+    towards passing a correct verifier; the wrong verifiers the tests build exceed it several times over."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic, cells with expected count < 5 pooled; a count in a zero-probability cell is a failure."""
+    counts, probs = counts.double(), probs.double()
+    assert counts[probs == 0].sum() == 0, "emitted a token the warped target gives probability 0"
+    expected = counts.sum() * probs
+    small = (expected < 5) & (probs > 0)
+    big = expected >= 5
+    obs, exp = counts[big], expected[big]
+    if small.any():
+        obs = torch.cat([obs, counts[small].sum()[None]])
+        exp = torch.cat([exp, expected[small].sum()[None]])
+    return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
+
+
+def assert_first_tokens_match(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """counts and expected joint probabilities of the first L emitted tokens ([choices] * L): the first token, the
+    first two, ... all L each pass a chi-square test at alpha 1e-6."""
+    for n in range(1, counts.dim() + 1):
+        rest = tuple(range(n, counts.dim()))
+        stat, df = chi_square(counts.sum(rest).flatten() if rest else counts.flatten(),
+                              expected.sum(rest).flatten() if rest else expected.flatten())
+        critical = chi_square_critical(df)
+        assert stat < critical, f"first {n} tokens: chi2 {stat:.1f} with df {df} (critical {critical:.1f})"
+
+
+class NoisyOracle(Drafter):
+    """Knows the target's greedy continuation and proposes trees mixing it with wrong tokens, so steps accept
+    some nodes and reject others. Checks the engine's token/feature bookkeeping as it goes."""
+
+    needs_features = True
+
+    def __init__(self, vocab_size: int, reference: list[int], p_right: float, width: int, seed: int):
+        self.vocab_size, self.reference, self.p_right, self.width = vocab_size, reference, p_right, width
+        self.rng = random.Random(seed)
+        self.tokens: list[int] = []
+        self.features: list[torch.Tensor] = []
+
+    def reset(self, tokens, features):
+        assert features.shape[0] == tokens.numel() - 1
+        self.tokens, self.features = tokens.tolist(), [features]
+
+    def commit(self, tokens, features):
+        assert features.shape[0] == tokens.numel()
+        self.tokens += tokens.tolist()
+        self.features.append(features)
+
+    def propose(self, budget, params, generator=None):
+        tokens, parents = [], []
+        parent, on_track = -1, True
+        for depth in range(budget.depth):
+            pos = len(self.tokens) + depth
+            right = self.reference[pos] if on_track and pos < len(self.reference) else None
+            wrong = [t for t in self.rng.sample(range(self.vocab_size), self.width + 1) if t != right]
+            kids = wrong[:self.width]
+            if right is not None and self.rng.random() < self.p_right:
+                kids[self.rng.randrange(self.width)] = right
+            kids = kids[:budget.max_nodes - len(tokens)]
+            if not kids:
+                break
+            first = len(tokens)
+            tokens += kids
+            parents += [parent] * len(kids)
+            on_track = right in kids
+            parent = first + (kids.index(right) if on_track else 0)
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents))

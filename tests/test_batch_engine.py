@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_engine import NoisyOracle
+from helpers import NoisyOracle
 
 from runtime.batch_budget import batch_sizes, measure_policy
 from runtime.batch_engine import BatchEngine, BatchRequest

@@ -224,3 +224,69 @@ def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, 
     assert "prepare: failed: RuntimeError: disk on fire" in err and "Traceback" not in err
     saved = json.loads((tmp_path / "runs/r/prepare.error.json").read_text())
     assert "in boom" in saved["traceback"] and not (tmp_path / "runs/r/prepare").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, depth", [("pipeline bench", []), ("python -m pipeline.bench.random_weights", ["2"])])
+def test_random_weights_bench_runs_from_both_entry_points(tmp_path, entry, depth):
+    """One definition of the flags: `pipeline bench` takes the module's (it had no --depth, and failed without it)."""
+    from pipeline.bench import random_weights
+    from pipeline.cli import main
+
+    out = tmp_path / "r.json"
+    args = ["--random-weights", "smollm2-135m", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "3",
+            "--n-prompts", "1", "--accept-rate", "1", "--out", str(out), *(["--depth", *depth] if depth else [])]
+    assert (main(["bench", *args]) if entry == "pipeline bench" else random_weights.main(args)) == 0
+    report = json.loads(out.read_text())
+    assert f"depth={depth[0] if depth else 5}" in report["drafter"] and report["max_new_tokens"] == 3
+    assert report["methods"]["ours_spec"]["matching_prefix_min"] == 3
+
+
+BAD_NUMBERS = [("--max-new-tokens", "-3", "an int >= 1"), ("--max-new-tokens", "2.5", "an int >= 1"),
+               ("--n-prompts", "0", "an int >= 1"), ("--depth", "0", "an int >= 1"),
+               ("--accept-rate", "1.5", "a number >= 0 and <= 1"), ("--temperature", "nan", "a number >= 0"),
+               ("--temperature", "-1", "a number >= 0"), ("--specattn-top-p", "0", "a number > 0 and <= 1")]
+
+
+@pytest.mark.parametrize("flag, value, expected", BAD_NUMBERS)
+def test_bench_numbers_are_checked_up_front_in_one_line(flag, value, expected, capsys):
+    from pipeline.bench import random_weights
+    from pipeline.cli import main
+
+    entries = [lambda argv: main(["bench", *argv])]
+    if flag not in ("--temperature", "--specattn-top-p"):  # pipeline bench's own flags
+        entries.append(lambda argv: random_weights.main(["--random-weights", "smollm2-135m", *argv]))
+    for entry in entries:
+        with pytest.raises(SystemExit) as exit:
+            entry([flag, value])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        assert f"argument {flag}: {value!r}: expected {expected}" in err
+
+
+def bench_on(target_dir, tmp_path, *args) -> dict:
+    """`pipeline bench` of the n-gram drafter on `target_dir` (two prompts), on the CPU in fp32; its report."""
+    from pipeline.cli import main
+
+    (tmp_path / "p.txt").write_text("w5 w6 w7 w5 w6\nw9 w10 w9 w10\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--target", str(target_dir), "--drafter", "ngram", "--prompts", str(tmp_path / "p.txt"),
+                 "--device", "cpu", "--dtype", "float32", "--out", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_of_generations_without_a_decode_forward(tmp_path, tiny_chat_target, capsys):
+    """Each generation ends at its first token (the prefill's): no method made a decode forward to time."""
+    report = bench_on(tiny_chat_target, tmp_path, "--max-new-tokens", "1")
+    assert report["ours_ar_fraction_of_floor"] is None
+    assert all(r["new_tokens"] == 2 and "decode_ms_per_forward" not in r for r in report["methods"].values())
+    assert "our AR decode made no decode forward" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_shows_progress_per_method_and_prompt(tmp_path, tiny_chat_target, capfd):
+    report = bench_on(tiny_chat_target, tmp_path, "--max-new-tokens", "3")
+    assert report["methods"]["ours_spec"]["same_tokens_as_ours_ar"] is True
+    err = capfd.readouterr().err
+    for method in ("hf_generate", "ours_ar", "ours_spec"):
+        assert f"{method}, warm-up" in err and f"{method}, prompt 1/2" in err and f"{method}, prompt 2/2" in err
+    assert "9/9" in err  # three warm-ups and three methods on two prompts

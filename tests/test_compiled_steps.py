@@ -6,6 +6,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
+from runtime import cpu_packing
 from runtime.budget import DraftBudget
 from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
@@ -33,7 +34,33 @@ def test_compiled_decode_step_decodes_as_the_engine(target, min_span):
     assert before < compiled_graphs() <= before + spans  # at most a graph per span, not one per token
 
 
-def test_compiled_static_verify_and_drafting_generate_the_same(target):
+def repack(model: torch.nn.Module) -> list[cpu_packing.Packable]:
+    """Pack again every packed weight of `model`, as cpu_packing's settings say now; returns them."""
+    packed = [m for m in model.modules() if isinstance(m, cpu_packing.Packable) and m.packed is not None]
+    for m in packed:
+        m.pack()
+    return packed
+
+
+@pytest.fixture(params=["as-packed-here", "onednn-prepacked"])
+def packing(request, monkeypatch, target):
+    """How the weights run: as this CPU packs them, or prepacked for oneDNN from one row on, as fp32 products run
+    on CPUs where our own kernel does not serve them, and bf16 ones on CPUs with AMX."""
+    if request.param == "onednn-prepacked":
+        if not cpu_packing.onednn_packs(torch.float32):
+            pytest.skip("oneDNN cannot prepack fp32 weights in this torch build")
+        monkeypatch.setattr(cpu_packing, "OWN_FP32_KERNEL", False)
+        monkeypatch.setattr(cpu_packing, "PACKED_MIN_FP32_ROWS", 1)
+        packed = repack(target)
+        assert packed and not any(m.own_fp32 for m in packed)  # every product of >= 1 row goes to oneDNN
+        yield request.param
+        monkeypatch.undo()
+        repack(target)
+    else:
+        yield request.param
+
+
+def test_compiled_static_verify_and_drafting_generate_the_same(target, packing):
     torch.manual_seed(0)
     eagle = build_eagle(target, None, from_target=False).eval()
     with torch.no_grad():

@@ -1,16 +1,16 @@
 import json
 import math
-import random
 from collections import Counter
 
 import pytest
 import torch
 
+from helpers import NoisyOracle
+
 from runtime.attention import SpecAttnConfig
 from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_prompts, run_bench,
                                     weight_bytes_per_token)
 from runtime.budget import DraftBudget, ServedBudget
-from runtime.drafter import Drafter
 from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
@@ -21,48 +21,6 @@ from runtime.tree import DraftTree
 from train.recipes import eagle as eagle_recipe
 
 PROMPT = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9]
-
-
-class NoisyOracle(Drafter):
-    """Knows the target's greedy continuation and proposes trees mixing it with wrong tokens, so steps accept
-    some nodes and reject others. Checks the engine's token/feature bookkeeping as it goes."""
-
-    needs_features = True
-
-    def __init__(self, vocab_size: int, reference: list[int], p_right: float, width: int, seed: int):
-        self.vocab_size, self.reference, self.p_right, self.width = vocab_size, reference, p_right, width
-        self.rng = random.Random(seed)
-        self.tokens: list[int] = []
-        self.features: list[torch.Tensor] = []
-
-    def reset(self, tokens, features):
-        assert features.shape[0] == tokens.numel() - 1
-        self.tokens, self.features = tokens.tolist(), [features]
-
-    def commit(self, tokens, features):
-        assert features.shape[0] == tokens.numel()
-        self.tokens += tokens.tolist()
-        self.features.append(features)
-
-    def propose(self, budget, params, generator=None):
-        tokens, parents = [], []
-        parent, on_track = -1, True
-        for depth in range(budget.depth):
-            pos = len(self.tokens) + depth
-            right = self.reference[pos] if on_track and pos < len(self.reference) else None
-            wrong = [t for t in self.rng.sample(range(self.vocab_size), self.width + 1) if t != right]
-            kids = wrong[:self.width]
-            if right is not None and self.rng.random() < self.p_right:
-                kids[self.rng.randrange(self.width)] = right
-            kids = kids[:budget.max_nodes - len(tokens)]
-            if not kids:
-                break
-            first = len(tokens)
-            tokens += kids
-            parents += [parent] * len(kids)
-            on_track = right in kids
-            parent = first + (kids.index(right) if on_track else 0)
-        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -19,32 +18,6 @@ from pipeline.serving import BUDGET_ENV, DEVICE_ENV, budget_source, serve_invoca
 from pipeline.sources import target_fingerprint
 from runtime.precision import float_dtype
 from runtime.bundle import BundleError
-
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_target(tiny_model_dir, tmp_path_factory) -> Path:
-    """A tiny random llama plus a word-level tokenizer with a chat template (its 96 ids are words).
-
-    Untied: with tied embeddings a random model just repeats its last token, which any drafter guesses."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    out = tmp_path_factory.mktemp("chat-target") / "model"
-    shutil.copytree(tiny_model_dir("llama"), out)
-    specials = ["<unk>", "<eos>", "<user>", "<assistant>"]
-    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(len(specials), 96)])}
-    words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(out)
-    return out
-
 
 def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int, dtype=torch.float32) -> list[str]:
     """Reference answers: the target alone, greedy, through the same chat template and stop token."""

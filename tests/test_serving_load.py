@@ -6,7 +6,7 @@ import time
 
 import torch
 from mlflow_server import run_stage, validated_run
-from test_serving import plain_greedy, registry_cfg, tiny_chat_target  # noqa: F401 - a fixture
+from test_serving import plain_greedy, registry_cfg
 
 from pipeline.bench.load import free_port, post, run_load, same_as_reference, start_server, stop
 from pipeline.registry import run_promote, run_register

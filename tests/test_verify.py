@@ -1,9 +1,8 @@
-import math
-
 import pytest
 import torch
 
 import runtime.verify as verify_module
+from helpers import assert_first_tokens_match, chi_square, chi_square_critical
 from runtime.sampling import SamplingParams, sample, warp
 from runtime.tree import DraftTree
 from runtime.verify import Verdict, draw_children, verify, verify_greedy, verify_sampling
@@ -186,8 +185,8 @@ def test_draw_children_sampling_is_without_replacement_within_support():
     # sequential draws without replacement: P(a, b) = q(a) q(b) / (1 - q(a))
     expected = q[:, None] * q[None, :] / (1 - q[:, None])
     expected.fill_diagonal_(0)
-    stat, df = _chi_square(pairs.flatten(), expected.flatten())
-    assert stat < _critical(df), (stat, df)
+    stat, df = chi_square(pairs.flatten(), expected.flatten())
+    assert stat < chi_square_critical(df), (stat, df)
 
 
 # ---------------------------------------------------------------- statistical losslessness
@@ -202,27 +201,6 @@ def test_draw_children_sampling_is_without_replacement_within_support():
 # the bonus token drawn at an accepted leaf is checked too.
 
 TRIALS = 6000
-
-
-def _critical(df: int, z: float = 4.7534) -> float:
-    """Chi-square quantile at 1 - 1e-6 (z = its normal quantile) by Wilson-Hilferty; scipy is not a dependency.
-    It overestimates the exact quantile by 15% at df 1 down to 0.6% at df 35 (37.5 vs 35.9 at df 5), i.e. errs
-    towards passing a correct verifier; the wrong verifiers below exceed it several times over."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic, cells with expected count < 5 pooled; a count in a zero-probability cell is a failure."""
-    counts, probs = counts.double(), probs.double()
-    assert counts[probs == 0].sum() == 0, "emitted a token the warped target gives probability 0"
-    expected = counts.sum() * probs
-    small = (expected < 5) & (probs > 0)
-    big = expected >= 5
-    obs, exp = counts[big], expected[big]
-    if small.any():
-        obs = torch.cat([obs, counts[small].sum()[None]])
-        exp = torch.cat([exp, expected[small].sum()[None]])
-    return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
 
 
 def _tables(depth: int, params: SamplingParams, seed: int) -> tuple[list, list]:
@@ -268,30 +246,22 @@ def _simulate(widths: list[int], params: SamplingParams, verifier, seed: int = 0
     return counts, expected
 
 
-def _assert_matches(counts: torch.Tensor, expected: torch.Tensor) -> None:
-    for n in range(1, counts.dim() + 1):
-        rest = tuple(range(n, counts.dim()))
-        stat, df = _chi_square(counts.sum(rest).flatten() if rest else counts.flatten(),
-                               expected.sum(rest).flatten() if rest else expected.flatten())
-        assert stat < _critical(df), f"first {n} tokens: chi2 {stat:.1f} with df {df} (critical {_critical(df):.1f})"
-
-
 SAMPLE = SamplingParams(temperature=1.0)
 WARPED = SamplingParams(temperature=1.3, top_k=4, top_p=0.9)  # top-k binds on every row, top-p on most
 
 
 @pytest.mark.parametrize("widths", [[1], [1, 1], [1, 1, 1]], ids=["chain1", "chain2", "chain3"])
 def test_chain_sampling_is_lossless(widths):
-    _assert_matches(*_simulate(widths, SAMPLE, verify_sampling))
+    assert_first_tokens_match(*_simulate(widths, SAMPLE, verify_sampling))
 
 
 def test_tree_sampling_is_lossless():
-    _assert_matches(*_simulate([3, 2], SAMPLE, verify_sampling, seed=1))
+    assert_first_tokens_match(*_simulate([3, 2], SAMPLE, verify_sampling, seed=1))
 
 
 def test_tree_sampling_with_top_k_top_p_is_lossless():
     # draft supports differ from the target's: children outside the target's support are always rejected
-    _assert_matches(*_simulate([2, 3], WARPED, verify_sampling, seed=2))
+    assert_first_tokens_match(*_simulate([2, 3], WARPED, verify_sampling, seed=2))
 
 
 def test_verify_warps_logits_before_sampling_verification():
@@ -307,7 +277,7 @@ def test_verify_warps_logits_before_sampling_verification():
 
 
 def test_deterministic_drafter_tree_is_lossless():
-    _assert_matches(*_simulate([3, 2], SAMPLE, verify_sampling, seed=3, deterministic=True))
+    assert_first_tokens_match(*_simulate([3, 2], SAMPLE, verify_sampling, seed=3, deterministic=True))
 
 
 def _accept_always(tree: DraftTree, target_probs: torch.Tensor, generator) -> Verdict:
@@ -348,7 +318,7 @@ def _bonus_from_parent_row(tree: DraftTree, target_probs: torch.Tensor, generato
 def test_wrong_verifiers_fail_the_same_check(wrong_verifier):
     counts, expected = _simulate([1, 1], SAMPLE, wrong_verifier, trials=2000)
     with pytest.raises(AssertionError, match="chi2"):
-        _assert_matches(counts, expected)
+        assert_first_tokens_match(counts, expected)
 
 
 @pytest.mark.parametrize("wrong_reject, widths", [(_reject_keeping_drawn_sibling, [3, 2]),
@@ -357,5 +327,4 @@ def test_rejection_step_bugs_fail_the_same_check(monkeypatch, wrong_reject, widt
     monkeypatch.setattr(verify_module, "_reject", wrong_reject)
     counts, expected = _simulate(widths, SAMPLE, verify_sampling, seed=1)
     with pytest.raises(AssertionError, match="chi2"):
-        _assert_matches(counts, expected)
-
+        assert_first_tokens_match(counts, expected)

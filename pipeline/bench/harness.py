@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from tqdm import tqdm
 
 from runtime.attention import pick_backend
 from runtime.device import synchronizer
@@ -102,14 +103,13 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     bandwidth = copy_bandwidth(device=device)
     results = measure(methods, prompt_ids, seed, compare_tokens=params.greedy)
     bandwidth = max(bandwidth, copy_bandwidth(device=device))  # best of two: a busy moment must not lower the bar
-    ar = results["ours_ar"]
     floor_ms = 1e3 * weight_bytes_per_token(target) / bandwidth
     report = {
         "target": str(target_dir), "drafter": speculation.label if speculation else None,
         "dtype": str(dtype).removeprefix("torch."), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "temperature": temperature, "device": device_name(), "torch_threads": torch.get_num_threads(),
         "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_bytes_per_token(target),
-        "floor_ms_per_token": floor_ms, "ours_ar_fraction_of_floor": floor_ms / ar["decode_ms_per_forward"],
+        "floor_ms_per_token": floor_ms, "ours_ar_fraction_of_floor": fraction_of_floor(floor_ms, results["ours_ar"]),
         "methods": results, "notes": notes, "attention_backend": pick_backend(target.device).name,
         "budget": served.budget.spec if served else None,
         "specattn": None if cfg.sparse is None else asdict(cfg.sparse),
@@ -117,6 +117,12 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     if print_table:
         print_report(report)
     return report
+
+
+def fraction_of_floor(floor_ms: float, ar: dict) -> float | None:
+    """The floor over our AR decode's ms per forward; None where it made no decode forward (every generation
+    stopped at its first token, the prefill's)."""
+    return floor_ms / ar["decode_ms_per_forward"] if "decode_ms_per_forward" in ar else None
 
 
 def engine_method(engine: Engine, max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...]) -> Method:
@@ -151,27 +157,32 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
     return notes
 
 
-def interleaved(methods: dict[str, Callable], prompts: list, seed: int,
-                repeats: int = 1) -> Iterator[tuple[str, float, list[int], Any]]:
+def interleaved(methods: dict[str, Callable], prompts: list, seed: int, repeats: int = 1,
+                progress: tqdm | None = None) -> Iterator[tuple[str, float, list[int], Any]]:
     """Run every method on each prompt, the methods back to back, yielding (name, seconds, tokens, what else it
     returned): a machine that slows down for a while (a shared 2-core host does) slows all methods alike instead of
     whichever ran then. A method is called as run(prompt, generator); each has its own, seeded with `seed`.
 
     With repeats > 1 the methods take turns on each prompt that many times, every repeat from the same generator
     state (so the same tokens, sampled or not), and the fastest repeat of each is yielded: other work on the host
-    can only slow a run down, so the fastest is the one it disturbed least."""
+    can only slow a run down, so the fastest is the one it disturbed least. `progress`, a bar, counts every run and
+    shows which method runs on which prompt."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: expected at least 1")
     gens = {name: torch.Generator().manual_seed(seed) for name in methods}
-    for ids in prompts:
+    for i, ids in enumerate(prompts, start=1):
         states = {name: gen.get_state() for name, gen in gens.items()}
         fastest: dict[str, tuple[float, list[int], Any]] = {}
         for _ in range(repeats):
             for name, run in methods.items():
+                if progress is not None:
+                    progress.set_postfix_str(f"{name}, prompt {i}/{len(prompts)}")
                 gens[name].set_state(states[name])
                 start = time.perf_counter()
                 tokens, extra = run(ids, gens[name])
                 elapsed = time.perf_counter() - start
+                if progress is not None:
+                    progress.update()
                 if name not in fastest or elapsed < fastest[name][0]:
                     fastest[name] = (elapsed, tokens, extra)
         for name in methods:
@@ -180,15 +191,19 @@ def interleaved(methods: dict[str, Callable], prompts: list, seed: int,
 
 def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool,
             outputs: dict[str, list[list[int]]] | None = None) -> dict:
-    """Wall time and tokens of every method over all prompts, after one warm-up generation each. `outputs`, if
-    given, receives every method's generated tokens per prompt."""
-    for run in methods.values():  # warm-up: allocator, kernels, caches
-        run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
+    """Wall time and tokens of every method over all prompts, after one warm-up generation each, with a progress
+    bar on stderr. `outputs`, if given, receives every method's generated tokens per prompt."""
+    with tqdm(total=len(methods) * (1 + len(prompt_ids)), desc="bench", unit="run") as bar:
+        for name, run in methods.items():  # warm-up: allocator, kernels, caches
+            bar.set_postfix_str(f"{name}, warm-up")
+            run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
+            bar.update()
+        runs = list(interleaved(methods, prompt_ids, seed, progress=bar))
     totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0, "draft_s": 0.0, "verify_s": 0.0,
                      "rollback_s": 0.0, "kv_saved": []} for name in methods}
     outputs = {} if outputs is None else outputs
     outputs.update({name: [] for name in methods})
-    for name, seconds, tokens, out in interleaved(methods, prompt_ids, seed):
+    for name, seconds, tokens, out in runs:
         t = totals[name]
         t["seconds"] += seconds
         t["new_tokens"] += len(tokens)
@@ -204,7 +219,7 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
     for name, t in totals.items():
         r = results[name] = {"new_tokens": t["new_tokens"], "seconds": t["seconds"],
                              "tokens_per_s": t["new_tokens"] / t["seconds"]}
-        if t["forwards"]:  # our engine rows: HF generate reports no forwards
+        if t["forwards"]:  # our engine rows (HF generate reports no forwards) that made a decode or verify forward
             r["tau"] = tokens_per_forward(t["new_tokens"], len(prompt_ids), t["forwards"])
             r["decode_ms_per_forward"] = 1e3 * t["decode_s"] / t["forwards"]
             for phase in ("draft", "verify", "rollback"):  # where a step's time goes (the rest: the engine's own)
@@ -265,11 +280,13 @@ def print_report(report: dict) -> None:
                       f"{r['speedup_vs_hf']:.2f}x", f"{r['speedup_vs_ours_ar']:.2f}x", f"{r.get('tau', 1.0):.2f}",
                       *ms, {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_ours_ar"]])
     console = Console(width=max(Console().width, 110))  # the whole table also in a log
+    fraction = report["ours_ar_fraction_of_floor"]
     console.print(table)
     console.print(f"drafter {report['drafter']}; {report['device']}, {report['torch_threads']} torch threads; "
                   f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s; floor "
                   f"{report['floor_ms_per_token']:.1f} ms/token ({report['weight_bytes_per_token'] / 1e6:.0f} MB); "
-                  f"our AR decode at {100 * report['ours_ar_fraction_of_floor']:.0f}% of the floor")
+                  + (f"our AR decode at {100 * fraction:.0f}% of the floor" if fraction is not None
+                     else "our AR decode made no decode forward (every generation stopped at its first token)"))
     if report.get("specattn"):
         saved = {name: f"{100 * r['kv_saved']:.0f}%" for name, r in report["methods"].items() if "kv_saved" in r}
         console.print(f"SpecAttn sparse verification at draft top-p {report['specattn']['top_p']:g} (lossy by "

@@ -22,7 +22,9 @@ import random
 import time
 
 import torch
+from tqdm import tqdm
 
+from pipeline.flags import Parser, bounded
 from runtime import cuda_graphs
 from runtime.budget import DraftBudget
 from runtime.drafter import Drafter
@@ -117,7 +119,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.bfloat16,
                      device: str = "cuda", budget: DraftBudget = DraftBudget(5), accept_rate: float = 0.8,
                      graphs: bool = True, compiled: bool = False, seed: int = 0, print_table: bool = True) -> dict:
-    from pipeline.bench.harness import (copy_bandwidth, device_name, engine_method, graph_methods, hf_generate, measure, print_report, weight_bytes_per_token)
+    from pipeline.bench.harness import (copy_bandwidth, device_name, engine_method, fraction_of_floor, graph_methods,
+                                        hf_generate, measure, print_report, weight_bytes_per_token)
     from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
@@ -133,7 +136,7 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
     # references for the replay drafter: our own greedy continuation, long enough for the last draft
     ar_engine = Engine(ours, None, cfg)
     references = {tuple(p): p + ar_engine.generate(p, max_new_tokens + budget.depth + 1, params).tokens
-                  for p in prompts}
+                  for p in tqdm(prompts, desc="bench: the replay drafter's references", unit="prompt")}
     replay = lambda: ReplayDrafter(vocab, references, accept_rate, seed)  # noqa: E731
 
     methods = {"hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, (), gen), None),
@@ -162,7 +165,7 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
         "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": max_new_tokens, "temperature": 0.0,
         "device": device_name(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": wbytes, "floor_ms_per_token": floor_ms,
-        "ours_ar_fraction_of_floor": floor_ms / results["ours_ar"]["decode_ms_per_forward"],
+        "ours_ar_fraction_of_floor": fraction_of_floor(floor_ms, results["ours_ar"]),
         "build_s": build_s, "graph_capture_s": capture_s, "methods": results}
     if print_table:
         print_report(report)
@@ -172,21 +175,28 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
     return report
 
 
-def add_arguments(ap) -> None:
-    """The random-weights flags, shared by `pipeline bench` and `python -m pipeline.bench.random_weights`."""
+def add_arguments(ap, out: str | None) -> None:
+    """The benchmark's flags, one definition for `pipeline bench` and `python -m pipeline.bench.random_weights`;
+    `out`: --out's default (None: no report file)."""
     ap.add_argument("--random-weights", metavar="CONFIG", choices=sorted(RANDOM_CONFIGS),
                     help="benchmark random weights of this shape instead of --target (no checkpoint needed)")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="default: bfloat16 with --random-weights, else validate's default (validate.precision=auto: "
                          "bfloat16 where the CPU has AMX, else float32)")
-    ap.add_argument("--n-prompts", type=int, default=5, help="random prompts (16..64 tokens)")
-    ap.add_argument("--accept-rate", type=float, default=0.8,
-                    help="replay drafter: probability each chain position proposes the right token")
+    ap.add_argument("--max-new-tokens", type=bounded(int, 1), default=128)
+    ap.add_argument("--n-prompts", type=bounded(int, 1), default=5,
+                    help="--random-weights: random prompts (16..64 tokens)")
+    ap.add_argument("--depth", type=bounded(int, 1), default=5,
+                    help="--random-weights: the replay drafter's chain depth")
+    ap.add_argument("--accept-rate", type=bounded(float, 0, 1), default=0.8,
+                    help="--random-weights: probability each chain position of the replay drafter proposes the "
+                         "right token")
     ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph rows")
     ap.add_argument("--compile", action="store_true",
                     help="also the CUDA-graph rows with each step fused by torch.compile before capture "
                          "(ours_ar_graph_compiled, ours_spec_graph_compiled; EngineConfig.compile_static)")
+    ap.add_argument("--out", default=out, help="write the report as JSON here")
 
 
 def step_tool_parser(description: str):
@@ -238,13 +248,8 @@ def bench_from_args(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="random-weights benchmark (see runtime/gpu_bench.py)")
-    add_arguments(ap)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--depth", type=int, default=5)
-    ap.add_argument("--out", help="write the report as JSON here")
+    ap = Parser(description="random-weights benchmark (the same as pipeline bench --random-weights)")
+    add_arguments(ap, out=None)
     args = ap.parse_args(argv)
     if args.random_weights is None:
         ap.error("--random-weights CONFIG is required")

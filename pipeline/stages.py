@@ -64,6 +64,18 @@ class StageContext:
         """A completed stage's result, for stages in the layers below (export.calibrate)."""
         return StageResult(outputs=outputs, metrics=metrics, message=message)
 
+    def validation_set(self):
+        """prepare's held-out rows (train.data.TokenizedSet: row(i) -> token ids and assistant mask)."""
+        from train.data import TokenizedSet
+
+        return TokenizedSet.load(self.input("prepare") / "val.safetensors")
+
+    def validation_prompts(self, n: int) -> list[list[int]]:
+        """Up to n held-out prompts: each row's tokens before its assistant turn."""
+        from train.data import prompts_from
+
+        return prompts_from(self.validation_set(), n)
+
     def lookup_corpus_file(self) -> Path | None:
         """The lookup branch's corpus distill wrote (the target's answers in the training rows); None without."""
         from runtime.bundle import LOOKUP_CORPUS

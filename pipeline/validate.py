@@ -259,13 +259,11 @@ def write_plots(out: Path, rows: list[dict], configured: dict) -> None:
 
 
 def run_validate(ctx: StageContext) -> StageResult:
-    from train.data import TokenizedSet, prompts_from
-
     v = ctx.cfg.validate
-    val_path = ctx.input("prepare") / "val.safetensors"
-    prompts = prompts_from(TokenizedSet.load(val_path), v.num_prompts)
+    prompts = ctx.validation_prompts(v.num_prompts)
     if not prompts:
-        raise DraftsmithError(f"validate: {val_path} has no row with a prompt before its first assistant token")
+        raise DraftsmithError(f"validate: {ctx.input('prepare') / 'val.safetensors'} has no row with a prompt before "
+                              "its first assistant token")
     temperatures = list(dict.fromkeys([0.0, *map(float, v.temperatures)]))  # greedy first: losslessness
     measured = measure(ctx, prompts, temperatures)
     rows = [per_temperature(t, measured["timed"][t], len(prompts)) for t in temperatures]

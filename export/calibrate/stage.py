@@ -23,7 +23,6 @@ from runtime.model import Transformer
 from runtime.ngram import load_corpus
 from runtime.precision import float_dtype
 from runtime.tau_probe import TauProbe
-from train.data import TokenizedSet, prompts_from
 
 NOT_APPLICABLE = "not applicable"
 
@@ -38,6 +37,8 @@ class CalibrateContext(Protocol):
     def configured_budget(self) -> ServedBudget: ...
     def stop_ids(self) -> tuple[int, ...]: ...
     def tau_probe(self, prompts: list[list[int]], new_tokens: int) -> TauProbe: ...
+    def validation_set(self) -> Any: ...  # prepare's held-out rows: len() and row(i) -> (token ids, mask)
+    def validation_prompts(self, n: int) -> list[list[int]]: ...
     def lookup_corpus_file(self) -> Path | None: ...
     def result(self, outputs: dict, metrics: dict, message: str) -> Any: ...
 
@@ -58,7 +59,7 @@ class CalibrateSettings:
 SETTINGS = CalibrateSettings()
 
 
-def calibration_rows(ts: TokenizedSet, n: int, max_tokens: int) -> list[torch.Tensor]:
+def calibration_rows(ts: Any, n: int, max_tokens: int) -> list[torch.Tensor]:
     rows = [ts.row(i)[0][:max_tokens] for i in range(len(ts))]
     rows = [r for r in rows if r.numel() >= 3][:n]  # a row needs two shared keys to say anything
     if not rows:
@@ -66,10 +67,11 @@ def calibration_rows(ts: TokenizedSet, n: int, max_tokens: int) -> list[torch.Te
     return rows
 
 
-def budget_prompts(num_validate: int, val: TokenizedSet, s: CalibrateSettings) -> list[list[int]]:
+def budget_prompts(num_validate: int, ctx: CalibrateContext, s: CalibrateSettings) -> list[list[int]]:
     """Validation prompts after the ones validate times (its first `num_validate`), so the budget is not chosen on
     the prompts it is then judged on; the first ones when the split has no others."""
-    return prompts_from(val, num_validate + s.budget_prompts)[num_validate:] or prompts_from(val, s.budget_prompts)
+    return ctx.validation_prompts(num_validate + s.budget_prompts)[num_validate:] or ctx.validation_prompts(
+        s.budget_prompts)
 
 
 def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
@@ -97,9 +99,9 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         timed_model = model if timed is target else drafter_module(config, timed, tensors)
         bar.update()
         bar.set_postfix_str("validation rows")
-        val = TokenizedSet.load(ctx.input("prepare") / "val.safetensors")
+        val = ctx.validation_set()
         bar.update()
-    prompts = prompts_from(val, s.tau_prompts)
+    prompts = ctx.validation_prompts(s.tau_prompts)
     if not prompts:
         raise ValueError("calibrate: the validation split has no row with a prompt before its assistant turn")
     probe = ctx.tau_probe(prompts, s.tau_new_tokens)
@@ -129,7 +131,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     if corpus_file is not None:  # the corpus export will ship, so the budget is timed drafting from it
         engine_fields["lookup_corpus"] = load_corpus(corpus_file, configured.lookup)
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
-        ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, val, s),
+        ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, ctx, s),
         configured.tree, s.budget_new_tokens or v.max_new_tokens, engine_fields, ctx.stop_ids(),
         min_tau=v.gate.min_tau, min_speedup=v.gate.min_speedup, tau_margin=s.budget_tau_margin,
         lookups=tuple(sorted({0, configured.lookup})), margin=s.budget_prediction_margin)

@@ -13,7 +13,7 @@ import torch
 from helpers import NoisyOracle
 
 from runtime.budget import DraftBudget
-from runtime.drafters.eagle import EagleDrafter
+from runtime.eagle_drafting import EagleDrafter
 from runtime.drafters.lm import LMDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer

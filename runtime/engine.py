@@ -176,14 +176,13 @@ class Engine:
 
         n = len(prompt_ids)
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        logits, hidden = target(prompt[None], cache, torch.arange(n, device=device)[None], last_logits_only=True)
-        cache.advance(n)
+        speculating = drafter is not None
+        logits, hidden = target.prefill(prompt[None], cache, want_hidden=speculating and drafter.needs_features)
         root = verify(DraftTree.empty(device), logits[0], params, generator).next_token
         out = [root]
-        speculating = drafter is not None
         lookup = self.lookup if params.greedy else None
         if speculating:
-            drafter.reset(torch.tensor(prompt_ids + [root], device=device), self._features(hidden[0]))
+            drafter.reset(torch.tensor(prompt_ids + [root], device=device), None if hidden is None else hidden[0])
             if lookup is not None:
                 lookup.reset(torch.tensor(prompt_ids + [root]))
         prefill_s = clock.lap()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.attention import attention_mask, causal_mask
 from runtime.budget import DraftBudget
 from runtime.cpu_packing import Linear, pack_for_cpu
 from runtime.draft_head import DraftHead
@@ -19,7 +20,7 @@ from runtime.drafter import Drafter, DrafterKind, EngineExport
 from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.hf_weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
 from runtime.kv_cache import KVCache
-from runtime.model import Block, ForwardOutput, ModelConfig, NoCache, Transformer, attention_mask, rope_tables
+from runtime.model import Block, ForwardOutput, ModelConfig, NoCache, Transformer, rope_tables
 from runtime.sampling import SamplingParams
 from runtime.static_draft import StaticEagleTree
 from runtime.tree import DraftTree
@@ -103,7 +104,7 @@ class EagleModel(nn.Module):
         T = tokens.shape[1]
         positions = cache.lengths[:, None] + 1 + torch.arange(T, device=tokens.device)
         n_live = int(cache.lengths.max()) + T
-        mask = attention_mask(cache.lengths, positions, n_live, None)
+        mask = causal_mask(cache.lengths, T, n_live, None) or attention_mask(cache.lengths, positions, n_live, None)
         return self.step(tokens, features, positions, cache, cache.slots(T), n_live, mask, want_weights)
 
 

@@ -104,10 +104,11 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         return encode(self.tokenizer, prompt)  # the same encoding the benchmark measures
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        from runtime.model import context_error
         from runtime.sampling import SamplingParams
 
         answers = []
-        for row in model_input.to_dict(orient="records"):
+        for i, row in enumerate(model_input.to_dict(orient="records")):
             prompt = row.get("prompt")
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"prompt={prompt!r}: expected a non-empty string")
@@ -115,8 +116,13 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
             if not float(max_new).is_integer() or max_new < 1:
                 raise ValueError(f"max_new_tokens={max_new!r}: expected a whole number >= 1")
             sampling = SamplingParams(temperature=float(_cell(row, "temperature", 0.0)))
+            ids = self._prompt_ids(prompt)
+            overflow = context_error(len(ids), int(max_new), self.engine.cfg.max_seq_len,
+                                     "the served context of max_seq_len")
+            if overflow:  # refused before the lock: a too-long request never holds up the others
+                raise ValueError(f"row {i}: {overflow}")
             with self.lock:
-                out = self.engine.generate(self._prompt_ids(prompt), int(max_new), sampling, stop_ids=self.stop_ids)
+                out = self.engine.generate(ids, int(max_new), sampling, stop_ids=self.stop_ids)
             answers.append(self.tokenizer.decode(out.tokens, skip_special_tokens=True))
         return answers
 

@@ -25,7 +25,7 @@ from runtime.cuda_graphs import StaticVerifier
 from runtime.device import synchronizer
 from runtime.budget import DraftBudget
 from runtime.drafter import Drafter
-from runtime.model import Transformer
+from runtime.model import Transformer, context_error
 from runtime.ngram import NgramDrafter
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as
 from runtime.sampling import SamplingParams
@@ -279,10 +279,9 @@ class Engine:
             raise ValueError(f"prompt_ids contains {bad[:3]}, outside the target vocabulary 0..{vocab - 1}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}, expected an int >= 1")
-        # every token but the last generated one passes through the cache
-        if len(prompt_ids) + max_new_tokens - 1 > self.cfg.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} does not fit the "
-                             f"KV cache of max_seq_len={self.cfg.max_seq_len}")
+        overflow = context_error(len(prompt_ids), max_new_tokens, self.cfg.max_seq_len, "the KV cache of max_seq_len")
+        if overflow:
+            raise ValueError(overflow)
 
 
 class _Clock:

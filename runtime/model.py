@@ -56,6 +56,14 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     @staticmethod
+    def from_dir(path: str | Path) -> "ModelConfig":
+        """The config of an HF model directory."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json (expected an HF model directory)")
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+    @staticmethod
     def from_hf(hf: dict) -> "ModelConfig":
         arch = hf.get("model_type")
         if arch not in ARCHITECTURES:
@@ -88,6 +96,14 @@ class ModelConfig:
             o_bias=attention_bias and arch != "qwen2", mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch == "qwen3", sliding_window=hf.get("sliding_window") if arch == "mistral" else None,
             rope_scaling=scaling)
+
+
+def context_error(prompt_tokens: int, max_new_tokens: int, limit: int, what: str) -> str | None:
+    """None where a prompt and max_new_tokens new tokens fit `limit` positions (every token but the last generated
+    one passes through the cache), else the one-line error; `what` names the limit."""
+    if prompt_tokens + max_new_tokens - 1 <= limit:
+        return None
+    return f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} does not fit {what}={limit}"
 
 
 @dataclass(frozen=True)
@@ -335,10 +351,11 @@ class Transformer(nn.Module):
     def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                         device: torch.device | str = "cpu") -> "Transformer":
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path}: no config.json (expected an HF model directory)")
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        cfg = ModelConfig.from_dir(path)
         max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
+        if max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"{path}: max_seq_len {max_seq_len} exceeds the model's context of "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
         with torch.device("meta"):
             model = Transformer(cfg, max_seq_len)
         from runtime.hf_weights import load_hf_state_dict

@@ -1,4 +1,4 @@
-"""Long prompts: causal attention without a mask, the chunked prefill and its products."""
+"""Long prompts: causal attention without a mask, the chunked prefill, its products, and prompts beyond the context."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from runtime.attention import BACKENDS, Causal, attention_mask, causal_mask
 from runtime.cpu_packing import Linear, prefill_products
 from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
+from runtime.model import Transformer, context_error
 
 
 @pytest.mark.parametrize("prefix", [0, 9])
@@ -141,4 +141,15 @@ def test_a_chunked_prefill_keeps_speculation_lossless(tiny_llama_dir, monkeypatc
     ar = Engine(target, None, cfg).generate(prompt, 20)
     spec = Engine(target, NgramDrafter(96), cfg).generate(prompt, 20)
     assert ar.tokens == seq[len(prompt):] and spec.tokens == ar.tokens
+
+
+def test_context_errors_name_the_length_and_the_limit():
+    assert context_error(100, 28, 128, "x") is None
+    assert context_error(100, 30, 128, "the model's context of max_position_embeddings") == (
+        "prompt of 100 tokens + max_new_tokens=30 does not fit the model's context of max_position_embeddings=128")
+
+
+def test_a_target_is_never_loaded_past_its_context(tiny_llama_dir):
+    with pytest.raises(ValueError, match="max_seq_len 257 exceeds the model's context of max_position_embeddings=256"):
+        Transformer.from_pretrained(tiny_llama_dir, max_seq_len=257)
 

@@ -15,12 +15,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from pipeline.errors import DraftsmithError
 from runtime.attention import pick_backend
 from runtime.device import synchronizer
 from runtime.device_budget import describe
 from runtime.drafter import Drafter
 from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
-from runtime.model import Transformer
+from runtime.model import ModelConfig, Transformer, context_error
 from runtime.sampling import SamplingParams
 from runtime.served import ServedEngine, static_verify_config
 from runtime.tokens import encode, stop_ids
@@ -84,7 +85,9 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
-    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0) + 1
+    limit = fitting_context(target_dir, prompt_ids, max_new_tokens)
+    max_seq_len = min(limit, max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0)
+                      + 1)  # near the limit, draft trees shrink to the room left
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
     with_graphs = graphs and target.device.type == "cuda"
     served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
@@ -117,6 +120,17 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     if print_table:
         print_report(report)
     return report
+
+
+def fitting_context(target_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+    """The model's context (max_position_embeddings); a one-line error for the first prompt that, with
+    max_new_tokens after it, does not fit."""
+    limit = ModelConfig.from_dir(target_dir).max_position_embeddings
+    for i, ids in enumerate(prompt_ids):
+        overflow = context_error(len(ids), max_new_tokens, limit, "the model's context of max_position_embeddings")
+        if overflow:
+            raise DraftsmithError(f"prompt {i + 1} of {len(prompt_ids)}: {overflow}")
+    return limit
 
 
 def engine_method(engine: Engine, max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...]) -> Method:

@@ -219,13 +219,24 @@ def cmd_bench(args) -> int:
     _budget(args.budget)  # a malformed spec is an error whatever else is given
     if args.drafter is None:
         _needs_bundle(args)
+    if args.context is not None and (args.prompts or args.temperature != 0.0):
+        raise DraftsmithError("--context makes its own prompts and decodes greedily: leave out --prompts and "
+                              "--temperature")
+    if args.max_new_tokens < 1 or args.repeats < 1:
+        raise DraftsmithError(f"--max-new-tokens {args.max_new_tokens} and --repeats {args.repeats}: expected >= 1")
     prompts = _bench_prompts(Path(args.prompts)) if args.prompts else default_bench_prompts()
     speculation = _speculation(args) if args.drafter is not None else None
     target_dir = resolve_target(args.target)
     device = torch.device(default_device(args.device))
-    report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature,
-                       dtype=getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device),
-                       device=str(device), graphs=not args.no_graphs, compiled=args.compile)
+    dtype = getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device)
+    if args.context is not None:
+        from pipeline.bench.context import run_context_bench
+
+        report = run_context_bench(target_dir, args.context, speculation, args.max_new_tokens, dtype=dtype,
+                                   device=str(device), repeats=args.repeats)
+    else:
+        report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature, dtype=dtype,
+                           device=str(device), graphs=not args.no_graphs, compiled=args.compile)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0
@@ -279,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--specattn-top-p", type=float, metavar="P",
                    help="verify sparsely (SpecAttn) with the bundle's layer map at this draft top-p instead of the "
                         "calibrated one (1.0: dense); lossy by design")
+    b.add_argument("--context", metavar="N[,N...]",
+                   help="prefill time and decode speed at these prompt lengths (tokens, or 'max': the model's "
+                        "context), each a document + question prompt of held-out text, e.g. 1024,2048,4096,max")
+    b.add_argument("--repeats", type=int, default=1, help="--context: the fastest of this many runs of each")
     b.add_argument("--out", default="bench.json")
     add_random_weights_arguments(b)
     b.set_defaults(fn=cmd_bench)

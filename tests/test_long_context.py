@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.errors import DraftsmithError
 from runtime.attention import BACKENDS, Causal, attention_mask, causal_mask
 from runtime.cpu_packing import Linear, prefill_products
 from runtime.engine import Engine, EngineConfig
@@ -153,3 +154,13 @@ def test_a_target_is_never_loaded_past_its_context(tiny_llama_dir):
     with pytest.raises(ValueError, match="max_seq_len 257 exceeds the model's context of max_position_embeddings=256"):
         Transformer.from_pretrained(tiny_llama_dir, max_seq_len=257)
 
+
+def test_bench_context_lengths():
+    from pipeline.bench.context import context_lengths
+
+    assert context_lengths("1024, 2048,max", 8192, 128) == [1024, 2048, 8065]
+    with pytest.raises(DraftsmithError, match="--context 9000: prompt of 9000 tokens \\+ max_new_tokens=128 does "
+                                              "not fit the model's context of max_position_embeddings=8192"):
+        context_lengths("1024,9000", 8192, 128)
+    with pytest.raises(DraftsmithError, match="'2k' is not a length of at least 16 tokens or 'max'"):
+        context_lengths("2k", 8192, 128)

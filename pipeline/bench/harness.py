@@ -240,16 +240,17 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
 
 
 def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams, stop_ids: tuple[int, ...],
-                gen: torch.Generator, assistant=None, prompt_lookup: int = 0) -> list[int]:
+                gen: torch.Generator, assistant=None, prompt_lookup: int = 0, streamer=None) -> list[int]:
     """HF `generate`; with `assistant` (an HF causal LM sharing the tokenizer), HF assisted generation; with
-    `prompt_lookup` > 0, HF prompt lookup decoding proposing that many tokens."""
+    `prompt_lookup` > 0, HF prompt lookup decoding proposing that many tokens; `streamer` gets generate's own
+    put() calls."""
     torch.manual_seed(int(torch.randint(2**31, (), generator=gen)))  # HF samples from the global generator
     sampling = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature,
                                                             "top_k": params.top_k, "top_p": params.top_p}
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens,
                           eos_token_id=list(stop_ids) or None, pad_token_id=stop_ids[0] if stop_ids else None,
-                          assistant_model=assistant, **sampling,
+                          assistant_model=assistant, streamer=streamer, **sampling,
                           **({"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}))
     return out[0, len(ids):].tolist()
 

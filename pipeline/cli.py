@@ -219,12 +219,20 @@ def cmd_bench(args) -> int:
     _budget(args.budget)  # a malformed spec is an error whatever else is given
     if args.drafter is None:
         _needs_bundle(args)
+    if args.context is not None and (args.prompts or args.temperature != 0.0):
+        raise DraftsmithError("--context makes its own prompts and decodes greedily: leave out --prompts and "
+                              "--temperature")
     prompts = _bench_prompts(Path(args.prompts)) if args.prompts else default_bench_prompts()
     speculation = _speculation(args) if args.drafter is not None else None
     target_dir = resolve_target(args.target)
     device = torch.device(default_device(args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device)
-    if args.batch > 1:
+    if args.context is not None:
+        from pipeline.bench.context import run_context_bench
+
+        report = run_context_bench(target_dir, args.context, speculation, args.max_new_tokens, dtype=dtype,
+                                   device=str(device), repeats=args.repeats)
+    elif args.batch > 1:
         from pipeline.bench.batch import run_batch_bench
 
         if args.temperature != 0.0:
@@ -287,6 +295,10 @@ def build_parser() -> Parser:
     b.add_argument("--specattn-top-p", type=bounded(float, 0, 1, above=True), metavar="P",
                    help="verify sparsely (SpecAttn) with the bundle's layer map at this draft top-p instead of the "
                         "calibrated one (1.0: dense); lossy by design")
+    b.add_argument("--context", metavar="N[,N...]",
+                   help="prefill time and decode speed at these prompt lengths (tokens, or 'max': the model's "
+                        "context), each a document + question prompt of held-out text, e.g. 1024,2048,4096,max")
+    b.add_argument("--repeats", type=bounded(int, 1), default=1, help="--context: the fastest of this many runs of each")
     b.add_argument("--batch", type=bounded(int, 1), default=1, metavar="N",
                    help="N > 1: batched speculation, our batched AR decode and HF generate (padded) over the prompts "
                         "in batches of N")

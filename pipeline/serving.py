@@ -162,6 +162,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         """Every row of the frame in the batch at once; the answers in row order."""
         from runtime.batch_engine import BatchRequest
+        from runtime.model import context_error
         from runtime.sampling import SamplingParams
         from runtime.scheduler import SchedulerError
 
@@ -174,8 +175,12 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
             if not float(max_new).is_integer() or max_new < 1:
                 raise ValueError(f"max_new_tokens={max_new!r}: expected a whole number >= 1")
             sampling = SamplingParams(temperature=float(_cell(row, "temperature", 0.0)))
-            requests.append(BatchRequest(len(requests), self._prompt_ids(prompt), int(max_new), sampling,
-                                         self.stop_ids))
+            ids = self._prompt_ids(prompt)
+            overflow = context_error(len(ids), int(max_new), self.engine.cfg.max_seq_len,
+                                     "the served context of max_seq_len")
+            if overflow:  # refused before it joins the queue
+                raise ValueError(f"row {len(requests)}: {overflow}")
+            requests.append(BatchRequest(len(requests), ids, int(max_new), sampling, self.stop_ids))
         try:
             out = self.scheduler.generate(requests)
         except SchedulerError as e:

@@ -31,13 +31,16 @@ class StageContext:
         """An earlier stage's finished output dir (the graph already checked it exists)."""
         return self.store.stage_dir(stage)
 
-    def load_target(self, max_seq_len: int = 2048, precision: str = "fp32"):
-        """The target on the CPU; precision auto|fp32|bf16 (runtime.precision: auto is bf16 where bf16 is fast)."""
+    def load_target(self, max_seq_len: int | None = None, precision: str = "fp32"):
+        """The target on the CPU with a cache of max_seq_len (default: 2048, or the model's context if shorter);
+        precision auto|fp32|bf16 (runtime.precision: auto is bf16 where bf16 is fast)."""
         import torch
 
-        from runtime.model import Transformer
+        from runtime.model import ModelConfig, Transformer
         from runtime.precision import float_dtype
 
+        if max_seq_len is None:
+            max_seq_len = min(2048, ModelConfig.from_dir(self.target_dir).max_position_embeddings)
         return Transformer.from_pretrained(self.target_dir, max_seq_len=max_seq_len,
                                            dtype=float_dtype(precision, torch.device("cpu")))
 

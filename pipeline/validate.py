@@ -109,7 +109,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.bench.harness import device_name, hf_generate
+    from pipeline.bench.harness import device_name, fitting_context, hf_generate
     from pipeline.sources import target_fingerprint
     from runtime.bundle import read_bundle
     from runtime.drafters import get_kind
@@ -119,7 +119,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     v, configured = ctx.cfg.validate, ctx.configured_budget()
     served_budget = bundle.served_budget(configured)
     longest = max(served_budget.tree.max_nodes, configured.tree.max_nodes + configured.lookup)
-    max_seq_len = max(map(len, prompts)) + v.max_new_tokens + longest + 1
+    limit = fitting_context(ctx.target_dir, prompts, v.max_new_tokens)  # a clear error for a prompt too long
+    max_seq_len = min(limit, max(map(len, prompts)) + v.max_new_tokens + longest + 1)
     target = ctx.load_target(max_seq_len, v.precision)
     hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
     stop_ids = ctx.stop_ids()

@@ -14,7 +14,7 @@ from torch import Tensor
 from runtime.budget import DraftBudget
 from runtime.drafter import BatchDrafter
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_trees, tree_probs
-from runtime.model import attention_mask
+from runtime.attention import attention_mask
 from runtime.sampling import SamplingParams
 from runtime.tree import DraftTree
 

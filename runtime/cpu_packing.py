@@ -6,6 +6,8 @@ measured in docs/cpu.md.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from functools import lru_cache
 
 import torch
@@ -35,6 +37,22 @@ OWN_MAX_ROWS = 256
 # oneDNN's prepacked bf16 product gives each row its one-row result only up to 32 rows: a verify of more rows goes
 # in 32-row slices, or greedy speculation would drift from plain decoding
 PACKED_EXACT_ROWS = 32
+# inside prefill_products: our kernel's fp32 products up to this many rows, oneDNN's from there, which wins on a
+# prefill's hundreds of rows (docs/cpu.md)
+PREFILL_OWN_MAX_ROWS = 64
+_prefill = threading.local()  # per thread: an engine prefilling in one thread leaves another's verify exact
+
+
+@contextlib.contextmanager
+def prefill_products():
+    """Products inside take the fastest kernel for their row count, whether or not a row then equals its one-row
+    product: a prefill's rows are never compared with a decode's, only a verify's are."""
+    before = getattr(_prefill, "on", False)
+    _prefill.on = True
+    try:
+        yield
+    finally:
+        _prefill.on = before
 
 
 class Packable:
@@ -62,14 +80,16 @@ class Packable:
         # neither fast path has a backward: they serve only forwards no gradient flows through
         inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
                                                     and (x.requires_grad or self.weight.requires_grad))
-        if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= OWN_MAX_ROWS * x.shape[-1]:
+        prefill = getattr(_prefill, "on", False)
+        own_rows = PREFILL_OWN_MAX_ROWS if prefill else OWN_MAX_ROWS
+        if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= own_rows * x.shape[-1]:
             return cpu_gemm.small_linear(x, self.panels, self.weight.shape[0], bias)
         # inductor lowers a prepacked product only for a weight it froze and packed itself: traced by torch.compile,
         # the plain product lets it choose
         prepacked = self.packed is not None and inference and not torch.compiler.is_compiling()
         if prepacked and x.dtype == self.packed.dtype \
                 and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
-            if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1]:
+            if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1] and not prefill:
                 rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)
                 return torch.cat([self._packed(r, bias) for r in rows]).view(*x.shape[:-1], -1)
             return self._packed(x, bias)

@@ -15,9 +15,9 @@ from typing import Callable, TypeVar
 
 import torch
 
-from runtime.attention import SpecAttnConfig
+from runtime.attention import SpecAttnConfig, attention_mask
 from runtime.kv_cache import KVCache
-from runtime.model import Taps, Transformer, attention_mask
+from runtime.model import Taps, Transformer
 
 Out = TypeVar("Out")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verify sizes (root + nodes) that get a graph; larger ones run eagerly

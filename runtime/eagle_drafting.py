@@ -20,7 +20,8 @@ from runtime.draft_head import DraftHead
 from runtime.drafter import Drafter, DrafterKind
 from runtime.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.kv_cache import KVCache
-from runtime.model import ForwardOutput, ModelConfig, NoCache, attention_mask, rope_tables
+from runtime.attention import attention_mask, causal_mask
+from runtime.model import ForwardOutput, ModelConfig, NoCache, rope_tables
 from runtime.sampling import SamplingParams
 from runtime.static_draft import StaticEagleTree
 from runtime.tree import DraftTree
@@ -75,7 +76,7 @@ class EagleBase(nn.Module):
         T = tokens.shape[1]
         positions = cache.lengths[:, None] + 1 + torch.arange(T, device=tokens.device)
         n_live = int(cache.lengths.max()) + T
-        mask = attention_mask(cache.lengths, positions, n_live, None)
+        mask = causal_mask(cache.lengths, T, n_live, None) or attention_mask(cache.lengths, positions, n_live, None)
         return self.step(tokens, features, positions, cache, cache.slots(T), n_live, mask, want_weights)
 
 

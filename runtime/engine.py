@@ -25,7 +25,7 @@ from runtime.cuda_graphs import StaticVerifier
 from runtime.device import synchronizer
 from runtime.budget import DraftBudget
 from runtime.drafter import Drafter
-from runtime.model import Transformer
+from runtime.model import Transformer, context_error
 from runtime.ngram import NgramDrafter
 from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as
 from runtime.sampling import SamplingParams
@@ -179,15 +179,14 @@ class Engine:
 
         n = len(prompt_ids)
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        logits, hidden = target(prompt[None], cache, torch.arange(n, device=device)[None], last_logits_only=True,
-                                features=self.features)
-        cache.advance(n)
+        speculating = drafter is not None
+        wanted = self.features if speculating and drafter.needs_features else None
+        logits, hidden = target.prefill(prompt[None], cache, features=wanted)
         root = verify(DraftTree.empty(device), logits[0], params, generator).next_token
         out = [root]
-        speculating = drafter is not None
         lookup = self.lookup if params.greedy else None
         if speculating:
-            drafter.reset(torch.tensor(prompt_ids + [root], device=device), self._features(hidden[0]))
+            drafter.reset(torch.tensor(prompt_ids + [root], device=device), None if hidden is None else hidden[0])
             if lookup is not None:
                 lookup.reset(torch.tensor(prompt_ids + [root]))
         prefill_s = clock.lap()
@@ -289,10 +288,9 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, vocab: int, max_se
         raise ValueError(f"prompt_ids contains {bad[:3]}, outside the target vocabulary 0..{vocab - 1}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}, expected an int >= 1")
-    # every token but the last generated one passes through the cache
-    if len(prompt_ids) + max_new_tokens - 1 > max_seq_len:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} does not fit the "
-                         f"KV cache of max_seq_len={max_seq_len}")
+    overflow = context_error(len(prompt_ids), max_new_tokens, max_seq_len, "the KV cache of max_seq_len")
+    if overflow:
+        raise ValueError(overflow)
 
 
 class _Clock:

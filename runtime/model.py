@@ -11,16 +11,18 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.attention import attention_weights, pick_backend
-from runtime.cpu_packing import Linear, pack_for_cpu
+from runtime.attention import Mask, attention_mask, attention_weights, causal_mask, pick_backend
+from runtime.cpu_packing import Linear, pack_for_cpu, prefill_products
 from runtime.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+PREFILL_CHUNK = 2048  # most prompt tokens one prefill forward takes (Transformer.prefill; docs/cpu.md)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,14 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "ModelConfig":
+        """The config of an HF model directory."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json (expected an HF model directory)")
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
     @staticmethod
     def from_hf(hf: dict) -> "ModelConfig":
@@ -86,6 +96,14 @@ class ModelConfig:
             o_bias=attention_bias and arch != "qwen2", mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=arch == "qwen3", sliding_window=hf.get("sliding_window") if arch == "mistral" else None,
             rope_scaling=scaling)
+
+
+def context_error(prompt_tokens: int, max_new_tokens: int, limit: int, what: str) -> str | None:
+    """None where a prompt and max_new_tokens new tokens fit `limit` positions (every token but the last generated
+    one passes through the cache), else the one-line error; `what` names the limit."""
+    if prompt_tokens + max_new_tokens - 1 <= limit:
+        return None
+    return f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} does not fit {what}={limit}"
 
 
 @dataclass(frozen=True)
@@ -160,32 +178,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def attention_mask(lengths: Tensor, positions: Tensor, n_live: int, tree_mask: Tensor | None,
-                   window: int | None = None, always: bool = False) -> Tensor | None:
-    """[B, 1, T, n_live] bool: the committed prefix (slots < lengths[b]), plus the new tokens `tree_mask` [T, T]
-    allows (causal when None; [B, T, T]: each sequence its own tree), minus keys a sliding `window` excludes. None
-    when one decode token may see every live key (no mask to build or apply), unless `always` (static shapes read
-    keys beyond the live ones)."""
-    B, T = positions.shape
-    if B == 1 and T == 1 and (window is None or n_live <= window) and not always:
-        return None
-    device = positions.device
-    if tree_mask is None:
-        tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    elif tree_mask.shape not in ((T, T), (B, T, T)):
-        raise ValueError(f"tree_mask has shape {tuple(tree_mask.shape)}, expected ({T}, {T}) or ({B}, {T}, {T})")
-    key = torch.arange(n_live, device=device)
-    offset = key[None, :] - lengths[:, None]  # [B, n_live]: index among the new tokens, < 0 for the prefix
-    is_new = (offset >= 0) & (offset < T)
-    columns = offset.clamp(0, T - 1)
-    new_visible = tree_mask[:, columns].permute(1, 0, 2) if tree_mask.dim() == 2 else \
-        tree_mask.gather(2, columns[:, None, :].expand(B, T, n_live))  # [B, T, n_live]
-    mask = (offset < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
-    if window is not None:  # keys keep their slot as position; queries use their (tree) position
-        mask &= positions[:, :, None] - key[None, None, :] < window
-    return mask[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -195,12 +187,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Tensor | None,
+    def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Mask,
                 cos: Tensor, sin: Tensor, want_weights: bool, keep: Tensor | None = None,
-                rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                rows: Tensor | None = None, last_query: bool = False) -> tuple[Tensor, Tensor | None]:
         """keep [B, Hkv, 1|T, n_live]: SpecAttn's keys per kv head (runtime.attention), None: every key.
         rows: indices into the B*T queries whose output is wanted; the result is then [len(rows), dim] and the
-        output projection runs on those only (training skips the queries no loss reads, see train.ttt)."""
+        output projection runs on those only (training skips the queries no loss reads, see train.ttt).
+        last_query: only the last query's output is wanted ([B, 1, dim]); every token's keys and values are still
+        written (a prefill's last layer, whose other outputs nothing reads)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -210,6 +204,10 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
         keys, values = cache.write(layer, slots, k, v, n_live)
         q = q.transpose(1, 2)  # [B, H, T, D]
+        if last_query:  # the last query sees every key a causal mask lets any of them see
+            q, T = q[:, :, -1:], 1
+            mask = mask[:, :, -1:] if isinstance(mask, Tensor) else None
+            keep = keep if keep is None or keep.shape[2] == 1 else keep[:, :, -1:]
         attend = getattr(cache, "attend", None) or pick_backend(x.device)  # a cache may bring its own (train.ttt)
         out = attend(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
         if rows is not None:
@@ -282,7 +280,7 @@ class Transformer(nn.Module):
 
     def run(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None, *,
             taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False,
-            kv_keep: list[Tensor | None] | None = None) -> ForwardOutput:
+            kv_keep: list[Tensor | None] | None = None, last_only: bool = False) -> ForwardOutput:
         B, T = tokens.shape
         if cache.batch != B:
             raise ValueError(f"tokens have batch {B} but the cache was built for batch {cache.batch}")
@@ -290,9 +288,47 @@ class Transformer(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond max_seq_len {self.max_seq_len}")
         slots = cache.slots(T)
         n_live = int(cache.lengths.max()) + T
-        mask = attention_mask(cache.lengths, positions, n_live, tree_mask, self.config.sliding_window)
+        window = self.config.sliding_window
+        mask = causal_mask(cache.lengths, T, n_live, tree_mask, window) \
+            or attention_mask(cache.lengths, positions, n_live, tree_mask, window)
         return self.run_placed(tokens, cache, positions, slots, n_live, mask, taps=taps,
-                               last_logits_only=last_logits_only, no_logits=no_logits, kv_keep=kv_keep)
+                               last_logits_only=last_logits_only, no_logits=no_logits, kv_keep=kv_keep,
+                               last_only=last_only)
+
+    def prefill(self, tokens: Tensor, cache: KVCache, *, chunk: int | None = None,
+                features: tuple[int, ...] | None = (),
+                progress: Callable[[int, int], None] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Commit prompt tokens [B, T] after each sequence's cached ones: forwards of at most `chunk` tokens (equal
+        pieces), each advancing the cache, so memory follows the chunk, not the prompt. Returns the last token's
+        logits [B, 1, V] and what a drafter reads of every position (ForwardOutput.features(`features`): the
+        hidden states [B, T, dim] with ()), or None with `features` None. Its products take the fastest
+        kernel (prefill_products): no decode is compared with a prefill's rows. progress(done, T) after each.
+        `chunk` defaults to PREFILL_CHUNK."""
+        B, T = tokens.shape
+        chunk = PREFILL_CHUNK if chunk is None else chunk
+        if chunk < 1:
+            raise ValueError(f"prefill chunk={chunk}, expected >= 1")
+        cached = int(cache.lengths.max())
+        if cached + T > cache.max_len:
+            raise ValueError(f"a prompt of {T} tokens after {cached} cached ones exceeds the cache length "
+                             f"{cache.max_len} (raise max_seq_len)")
+        pieces = -(-T // chunk)
+        size = -(-T // pieces)
+        hidden, logits = [], None
+        for start in range(0, T, size):
+            piece = tokens[:, start:start + size]
+            positions = cache.lengths[:, None] + torch.arange(piece.shape[1], device=tokens.device)
+            last = start + size >= T
+            with prefill_products():
+                out = self.run(piece, cache, positions, taps=Taps.entering(features or ()), last_logits_only=True,
+                               no_logits=not last, last_only=features is None)
+            cache.advance(piece.shape[1])
+            logits = out.logits
+            if features is not None:
+                hidden.append(out.features(features))
+            if progress is not None:
+                progress(min(start + size, T), T)
+        return logits, None if features is None else torch.cat(hidden, 1)
 
     def run_uncached(self, tokens: Tensor, *, no_logits: bool = False) -> ForwardOutput:
         """Whole sequences [B, T] at positions 0..T-1, causal, keeping no KV: training (autograd cannot go through
@@ -304,17 +340,22 @@ class Transformer(nn.Module):
         return self.run_placed(tokens, NoCache(), positions, None, T, mask, no_logits=no_logits)
 
     def run_placed(self, tokens: Tensor, cache: "KVCache | NoCache", positions: Tensor, slots: Tensor | None,
-                   n_live: int, mask: Tensor | None, *, taps: Taps = Taps(), last_logits_only: bool = False,
-                   no_logits: bool = False, kv_keep: list[Tensor | None] | None = None) -> ForwardOutput:
+                   n_live: int, mask: Mask, *, taps: Taps = Taps(), last_logits_only: bool = False,
+                   no_logits: bool = False, kv_keep: list[Tensor | None] | None = None,
+                   last_only: bool = False) -> ForwardOutput:
         """run() with the KV slots and the attention mask [B, 1, T, n_live] chosen by the caller: draft trees
-        keep their nodes' KV where runtime.dynamic_tree.TreeSlots puts them, and each node sees its ancestors only."""
+        keep their nodes' KV where runtime.dynamic_tree.TreeSlots puts them, and each node sees its ancestors only.
+        last_only: hidden [B, 1, dim] of the last token only; the last layer then computes just the keys and values
+        of the others (all a prefill needs of them)."""
         cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
         x = self.tok_embeddings(tokens)
         out = ForwardOutput(None, x)
         for i, block in enumerate(self.layers):
+            tail = last_only and i == len(self.layers) - 1
             h, weights = block.attention(block.attention_norm(x), i, cache, slots, n_live, mask, cos, sin,
-                                         i in taps.attention_layers, None if kv_keep is None else kv_keep[i])
-            x = x + h
+                                         i in taps.attention_layers, None if kv_keep is None else kv_keep[i],
+                                         last_query=tail)
+            x = (x[:, -1:] if tail else x) + h
             x = x + block.feed_forward(block.ffn_norm(x))
             if weights is not None:
                 out.attention[i] = weights
@@ -329,10 +370,11 @@ class Transformer(nn.Module):
     def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                         device: torch.device | str = "cpu") -> "Transformer":
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path}: no config.json (expected an HF model directory)")
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        cfg = ModelConfig.from_dir(path)
         max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
+        if max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"{path}: max_seq_len {max_seq_len} exceeds the model's context of "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
         with torch.device("meta"):
             model = Transformer(cfg, max_seq_len)
         from runtime.hf_weights import load_hf_state_dict

@@ -136,6 +136,19 @@ def test_bench_cli_writes_report(tmp_path):
     assert (report["weight_bytes_per_token"] < 300e6) == bf16  # bf16 halves the weights
 
 
+@pytest.mark.slow
+def test_bench_refuses_a_prompt_beyond_the_models_context_in_one_line(tmp_path):
+    (tmp_path / "p.txt").write_text('Say hi.\n' + json.dumps({"ids": [198] * 9000}) + "\n")
+    res = pipeline("bench", "--prompts", "p.txt", "--max-new-tokens", "8", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert re.sub(r"\s+", " ", res.stderr).count("prompt 2 of 2: prompt of 9000 tokens + max_new_tokens=8 does not "
+                                                 "fit the model's context of max_position_embeddings=8192") == 1
+    res = pipeline("bench", "--context", "1024,9000", "--max-new-tokens", "8", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--context 9000: prompt of 9000 tokens + max_new_tokens=8 does not fit" in re.sub(r"\s+", " ", res.stderr)
+    assert not (tmp_path / "bench.json").exists()
+
+
 def device_budget_bundle(out, fingerprint: str, candidates: bool = True):
     """An n-gram bundle whose calibrated budget is a chain, with two device candidates (tau made up: the wider
     one's far outweighs any step cost) unless `candidates` is false."""

@@ -222,3 +222,23 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
         with pytest.raises(DraftsmithError, match=match):
             BatchSettings.from_env()
         monkeypatch.delenv(name)
+
+
+def test_pyfunc_refuses_a_prompt_beyond_the_served_context_in_one_line(tiny_chat_target):
+    from transformers import AutoTokenizer
+
+    from pipeline.serving import DraftsmithPyfunc
+    from runtime.engine import Engine, EngineConfig
+    from runtime.model import Transformer
+
+    model = DraftsmithPyfunc()  # what load_context builds, with a short context (no queue: refused before it)
+    model.tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
+    model.engine = Engine(Transformer.from_pretrained(tiny_chat_target, max_seq_len=48), None,
+                          EngineConfig(max_seq_len=48))
+    model.stop_ids, model.max_new_tokens = (), 8
+    n = len(model._prompt_ids("w5 " * 40))
+    assert n + 8 - 1 > 48
+    rows = pd.DataFrame([{"prompt": "w5 w6"}, {"prompt": "w5 " * 40}])
+    with pytest.raises(ValueError, match=f"^row 1: prompt of {n} tokens \\+ max_new_tokens=8 does not fit the "
+                                         "served context of max_seq_len=48$"):
+        model.predict(None, rows)

@@ -173,7 +173,15 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
         {"prompt_ids": prompts, "temperatures": [0.0, 0.8], "max_new_tokens": 12})
 
 
-def test_methods_are_timed_back_to_back_on_each_prompt():
+def test_validate_refuses_a_prompt_beyond_the_models_context_in_one_line(exported, tiny_llama_dir):
+    # the validation prompts are PROMPT_TOKENS long; the tiny model's context is 256 positions
+    cfg = _config(validate={"num_prompts": 2, "max_new_tokens": 250, "temperatures": [0.0]})
+    with pytest.raises(DraftsmithError, match=f"^prompt 1 of 2: prompt of {PROMPT_TOKENS} tokens \\+ "
+                                              "max_new_tokens=250 does not fit the model's context of "
+                                              "max_position_embeddings=256$"):
+        run_stage_on(exported, "validate", cfg, tiny_llama_dir, run_validate)
+    assert exported.record("validate") is None
+
     """A slow spell of the machine must hit every method, not whichever ran then: methods interleave per prompt."""
     calls = []
 

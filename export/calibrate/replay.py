@@ -64,6 +64,14 @@ class ReplayTarget:
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         return self.target.new_cache(batch, max_len)
 
+    def prefill(self, tokens: torch.Tensor, cache, *, chunk: int | None = None, features: tuple[int, ...] | None = (),
+                progress=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Transformer.prefill's answer from the reference: the prompt's last logits and the drafter's features."""
+        positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        logits, hidden = self(tokens, cache, positions, last_logits_only=True)
+        cache.advance(tokens.shape[1])
+        return logits, None if features is None else hidden
+
     def __call__(self, tokens: torch.Tensor, cache, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
                  *, last_logits_only: bool = False, kv_keep=None, features: tuple[int, ...] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,8 @@ import torch
 from torch import Tensor
 
 from kernels.sparse_attention import sparse_attention_torch
-from runtime.attention import BACKENDS
+from runtime.attention import BACKENDS, attention_mask
 from runtime.attention.flashinfer import FlashInferBackend
-from runtime.model import attention_mask
 from runtime.tree import DraftTree
 
 

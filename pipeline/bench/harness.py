@@ -16,12 +16,13 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from pipeline.errors import DraftsmithError
 from runtime.attention import pick_backend
 from runtime.device import synchronizer
 from runtime.device_budget import describe
 from runtime.drafter import Drafter
 from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
-from runtime.model import Transformer
+from runtime.model import ModelConfig, Transformer, context_error
 from runtime.sampling import SamplingParams
 from runtime.served import ServedEngine, static_verify_config
 from runtime.tokens import encode, stop_ids
@@ -85,7 +86,9 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
-    max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0) + 1
+    limit = fitting_context(target_dir, prompt_ids, max_new_tokens)
+    max_seq_len = min(limit, max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0)
+                      + 1)  # near the limit, draft trees shrink to the room left
     target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
     with_graphs = graphs and target.device.type == "cuda"
     served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
@@ -123,6 +126,15 @@ def fraction_of_floor(floor_ms: float, ar: dict) -> float | None:
     """The floor over our AR decode's ms per forward; None where it made no decode forward (every generation
     stopped at its first token, the prefill's)."""
     return floor_ms / ar["decode_ms_per_forward"] if "decode_ms_per_forward" in ar else None
+def fitting_context(target_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+    """The model's context (max_position_embeddings); a one-line error for the first prompt that, with
+    max_new_tokens after it, does not fit."""
+    limit = ModelConfig.from_dir(target_dir).max_position_embeddings
+    for i, ids in enumerate(prompt_ids):
+        overflow = context_error(len(ids), max_new_tokens, limit, "the model's context of max_position_embeddings")
+        if overflow:
+            raise DraftsmithError(f"prompt {i + 1} of {len(prompt_ids)}: {overflow}")
+    return limit
 
 
 def engine_method(engine: Engine, max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...]) -> Method:
@@ -241,16 +253,17 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
 
 
 def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams, stop_ids: tuple[int, ...],
-                gen: torch.Generator, assistant=None, prompt_lookup: int = 0) -> list[int]:
+                gen: torch.Generator, assistant=None, prompt_lookup: int = 0, streamer=None) -> list[int]:
     """HF `generate`; with `assistant` (an HF causal LM sharing the tokenizer), HF assisted generation; with
-    `prompt_lookup` > 0, HF prompt lookup decoding proposing that many tokens."""
+    `prompt_lookup` > 0, HF prompt lookup decoding proposing that many tokens; `streamer` gets generate's own
+    put() calls."""
     torch.manual_seed(int(torch.randint(2**31, (), generator=gen)))  # HF samples from the global generator
     sampling = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature,
                                                             "top_k": params.top_k, "top_p": params.top_p}
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens,
                           eos_token_id=list(stop_ids) or None, pad_token_id=stop_ids[0] if stop_ids else None,
-                          assistant_model=assistant, **sampling,
+                          assistant_model=assistant, streamer=streamer, **sampling,
                           **({"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}))
     return out[0, len(ids):].tolist()
 

@@ -1,4 +1,5 @@
-"""Attention backends (a registry: base.py) and SpecAttn's key selection (specattn.py).
+"""Attention backends (a registry: base.py), the masks they take (masks.py) and SpecAttn's key selection
+(specattn.py).
 
 "sdpa" (torch SDPA) runs everywhere and is the reference; "triton_sparse" (CUDA, or Triton's CPU interpreter) reads
 only SpecAttn's kept keys; "flashinfer" (CUDA) registers where the package is installed.
@@ -7,6 +8,7 @@ import importlib.util
 
 from runtime.attention.base import (AUTO_ORDER, BACKEND_ENV, BACKENDS, AttentionBackend, attention_weights,
                                     exact_dtype, pick_backend, register_backend)
+from runtime.attention.masks import Causal, Mask, attention_mask, causal_mask, dense_mask
 from runtime.attention.sdpa import SdpaBackend
 from runtime.attention.specattn import SpecAttnConfig, kept_keys, kv_reads
 from runtime.attention.triton_sparse import TritonSparseBackend
@@ -18,5 +20,6 @@ if importlib.util.find_spec("flashinfer") is not None:  # found without importin
 
     register_backend(FlashInferBackend())
 
-__all__ = ["AUTO_ORDER", "BACKEND_ENV", "BACKENDS", "AttentionBackend", "SpecAttnConfig", "attention_weights",
-           "exact_dtype", "kept_keys", "kv_reads", "pick_backend", "register_backend"]
+__all__ = ["AUTO_ORDER", "BACKEND_ENV", "BACKENDS", "AttentionBackend", "Causal", "Mask", "SpecAttnConfig",
+           "attention_mask", "attention_weights", "causal_mask", "dense_mask", "exact_dtype", "kept_keys", "kv_reads",
+           "pick_backend", "register_backend"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from runtime.attention.base import BACKENDS, AttentionBackend
+from runtime.attention.base import BACKENDS, AttentionBackend, Causal, Mask, dense_mask
 
 PAGE = 16  # tokens per page: pages let flashinfer split a long context between thread blocks
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace
@@ -114,10 +114,12 @@ class FlashInferBackend(AttentionBackend):
             self._planned[slot] = _Planned(wrapper)
         return self._planned[slot]
 
-    def __call__(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, keep: Tensor | None) -> Tensor:
+    def __call__(self, q: Tensor, keys: Tensor, values: Tensor, mask: Mask, keep: Tensor | None) -> Tensor:
         B, H, T, D = q.shape
         if not self._plannable(q, keys):
             return BACKENDS["sdpa"](q, keys, values, mask, keep)
+        if isinstance(mask, Causal):  # flashinfer's causal prefill aligns the diagonal bottom-right, as Causal does
+            mask = dense_mask(mask, q) if keep is not None else None
         if keep is not None:
             return self._sparse(q, keys, values, mask, keep)
         Hkv, S = keys.shape[1], keys.shape[2]

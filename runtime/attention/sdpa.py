@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.sdpa import sdpa_kernels
-from runtime.attention.base import AttentionBackend, exact_dtype, grouped
+from runtime.attention.base import AttentionBackend, Causal, exact_dtype, grouped
 
 
 class SdpaBackend(AttentionBackend):
@@ -23,8 +23,10 @@ class SdpaBackend(AttentionBackend):
         self._mask: tuple[Tensor, Tensor] | None = None  # (a forward's mask, its grouped additive form)
 
     def __call__(self, q, keys, values, mask, keep):
-        dtype = exact_dtype(q)
-        if keep is None and mask is not None:  # every layer of a forward gets the same mask: convert it once
+        if isinstance(mask, Causal) and keep is None and q.device.type == "cpu" and not torch.is_grad_enabled():
+            return causal_attention(q, keys, values, mask.prefix)
+        dtype = exact_dtype(q, mask)
+        if keep is None and isinstance(mask, Tensor):  # every layer of a forward gets the same mask: convert it once
             qg = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])
             mask_g = self._additive(mask, qg.shape[2] // q.shape[2], dtype)
         else:
@@ -45,3 +47,17 @@ class SdpaBackend(AttentionBackend):
         if not compiling:
             self._mask = (mask, additive)
         return additive
+
+
+def causal_attention(q: Tensor, keys: Tensor, values: Tensor, prefix: int) -> Tensor:
+    """Causal attention of q [B, H, T, D] over `prefix` cached keys and its own T, with no mask in memory: SDPA's
+    is_causal aligns the diagonal top-left, so the cached keys (all visible) and the new ones (causal) go through
+    the flash kernel as two calls, merged by their log-sum-exp. Grouped-query heads stay unrepeated."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if prefix == 0:
+        return flash(q, keys, values, 0.0, True)[0]
+    old, old_lse = flash(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False)
+    new, new_lse = flash(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True)
+    top = torch.maximum(old_lse, new_lse)
+    old_w, new_w = (old_lse - top).exp().unsqueeze(-1), (new_lse - top).exp().unsqueeze(-1)  # fp32, as the lse
+    return ((old.float() * old_w + new.float() * new_w) / (old_w + new_w)).to(q.dtype)

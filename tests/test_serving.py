@@ -122,10 +122,10 @@ def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tm
     write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="d",
                  config={}, code_version="test", extra_files={n: tmp_path / n for n in ("draft_budget.json",
                                                                                          "kv_quant.json")})
-    bundle, target = read_bundle(tmp_path / "b"), Transformer.from_pretrained(tiny_chat_target, max_seq_len=512)
-    cpu = served_engine(bundle, target, 512).engine.cfg  # on the CPU: as calibrated
+    bundle, target = read_bundle(tmp_path / "b"), Transformer.from_pretrained(tiny_chat_target, max_seq_len=256)
+    cpu = served_engine(bundle, target, 256).engine.cfg  # on the CPU: as calibrated
     assert (cpu.kv_scheme, cpu.static_verify, cpu.lookup, cpu.budget) == ("int8", False, 8, DraftBudget(2, 3, 6))
-    gpu = served_engine(bundle, target, 512, graphed=True).engine.cfg  # what a CUDA target gets
+    gpu = served_engine(bundle, target, 256, graphed=True).engine.cfg  # what a CUDA target gets
     assert (gpu.kv_scheme, gpu.static_verify, gpu.lookup, gpu.budget) == (None, True, 8, DraftBudget(2, 3, 6))
     monkeypatch.delenv(DEVICE_ENV, raising=False)
     assert serving_device().type == ("cuda" if torch.cuda.is_available() else "cpu")

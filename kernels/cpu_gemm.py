@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 import warnings
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+STALE_LOCK_S = 600.0  # a build takes a minute or two
 
 
 @functools.cache
@@ -36,16 +38,31 @@ def cpu_info(field: str) -> str:
         return ""
 
 
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> None:
+    """Remove a build lock older than any build: a build killed midway leaves its lock, and torch would wait on it
+    forever."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            warnings.warn(f"{lock}: removing a build lock {max_age_s / 60:.0f}+ minutes old (a killed build's)",
+                          stacklevel=2)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernel once per process; False where it cannot run here."""
     if not {"avx2", "fma"} <= set(cpu_info("flags").split()):
         return False
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # a changed source never loads a stale build
+    name = f"draftsmith_cpu_gemm_{digest}"
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     try:
-        load(name=f"draftsmith_cpu_gemm_{digest}", sources=[str(SOURCE)], is_python_module=False,
+        load(name=name, sources=[str(SOURCE)], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])  # at::parallel_for is OpenMP in the header
     except Exception as e:  # no compiler, no ninja, a read-only cache: the library kernel serves instead
         warnings.warn(f"kernels/cpu_gemm.cpp did not build ({type(e).__name__}: {str(e)[:200]}); "

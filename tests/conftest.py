@@ -12,6 +12,13 @@ import torch
 
 # served models keep their budget at every batch size unless a test asks for it measured (at load, which takes a while)
 os.environ.setdefault("DRAFTSMITH_BATCH_POLICY", "fixed")
+# a plain `pytest` keeps every cache inside the clone, as .ci/run does: a test run writes nothing into HOME
+CACHES = {"DRAFTSMITH_HOME": "draftsmith", "XDG_CACHE_HOME": "xdg", "AIRFLOW_HOME": "airflow",
+          "TORCH_EXTENSIONS_DIR": "torch_extensions", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
+          "MPLCONFIGDIR": "mpl", "HF_HOME": "hf"}
+for _variable, _folder in CACHES.items():
+    os.environ.setdefault(_variable, str(Path(__file__).resolve().parents[1] / ".cache" / _folder))
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)

@@ -1,6 +1,9 @@
 """kernels/cpu_gemm: our fp32 small-batch product against its torch reference, and its batch invariance."""
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -77,3 +80,17 @@ def test_linear_routes_fp32_inference_through_it_and_training_around_it(monkeypa
     linear.unpack()
     linear(x)
     assert calls == [(1, 5, 64)] and not linear.own_fp32
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path):
+    """torch waits forever on a build lock: one left by a killed build (old) goes, a build in progress (new) stays."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_gemm.clear_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - cpu_gemm.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="a killed build's"):
+        cpu_gemm.clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    cpu_gemm.clear_stale_lock(tmp_path)  # nothing to clear

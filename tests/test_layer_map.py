@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from export.layer_map import DENSE, LayerMap, kl_similarity, monotone_layer_map, plot_layer_map
+from export.calibrate.layer_map import DENSE, LayerMap, kl_similarity, monotone_layer_map, plot_layer_map
 
 
 def brute_force_map(S: torch.Tensor, dense_first: int) -> tuple[list[int], float]:

@@ -131,3 +131,27 @@ class NoisyOracle(Drafter):
             on_track = right in kids
             parent = first + (kids.index(right) if on_track else 0)
         return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def assert_three_tokens_follow_the_target(target, prompt: list[int], params, counts: dict, n: int) -> None:
+    """`counts` of the first three tokens after `prompt` over n samples against the target's exact joint
+    probabilities under `params` (chi-square, about 5 standard deviations)."""
+    from runtime.sampling import warp
+
+    def probs(seq):
+        with torch.no_grad():
+            logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+        return warp(logits[0, -1], params)
+
+    exact = {}
+    p1 = probs(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs(prompt + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    dof = len(exact) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof)

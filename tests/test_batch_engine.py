@@ -1,12 +1,11 @@
 """The batched engine: every row equals its batch-1 decode (greedy) or keeps the target's distribution (sampled),
 whatever drafter kind drafts and however rows join, leave and share steps; the batch policy it follows."""
 import itertools
-import math
 from collections import Counter
 
 import pytest
 import torch
-from helpers import NoisyOracle
+from helpers import NoisyOracle, assert_three_tokens_follow_the_target
 
 from runtime.batch_budget import batch_sizes, measure_policy
 from runtime.batch_engine import BatchEngine, BatchRequest
@@ -18,7 +17,7 @@ from runtime.drafters.medusa import MedusaDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
-from runtime.sampling import SamplingParams, warp
+from runtime.sampling import SamplingParams
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 from train.recipes.medusa import build_medusa
@@ -181,25 +180,8 @@ def test_sampled_rows_keep_the_target_distribution_beside_a_greedy_row(target):
             counts[r % 2][tuple(out[r].tokens)] += 1
         assert out[4].tokens == greedy
     n = 2 * trials
-
-    def probs(seq):
-        with torch.no_grad():
-            logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
-        return warp(logits[0, -1], params)
-
     for prompt, seen in zip(prompts, counts):
-        exact = {}
-        p1 = probs(prompt)
-        for a in p1.nonzero().flatten().tolist():
-            p2 = probs(prompt + [a])
-            for b in p2.nonzero().flatten().tolist():
-                p3 = probs(prompt + [a, b])
-                for c in p3.nonzero().flatten().tolist():
-                    exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-        assert set(seen) <= set(exact)
-        chi2 = sum((seen.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
-        dof = len(exact) - 1
-        assert chi2 < dof + 5 * math.sqrt(2 * dof)  # about 5 standard deviations of a chi-square
+        assert_three_tokens_follow_the_target(target, prompt, params, seen, n)
 
 
 def test_the_engine_drafts_what_the_policy_says_for_its_batch_size(target):

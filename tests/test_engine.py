@@ -1,11 +1,10 @@
 import json
-import math
 from collections import Counter
 
 import pytest
 import torch
 
-from helpers import NoisyOracle
+from helpers import NoisyOracle, assert_three_tokens_follow_the_target
 
 from runtime.attention import SpecAttnConfig
 from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_prompts, run_bench,
@@ -180,25 +179,7 @@ def test_sampling_speculation_keeps_the_target_distribution(target):
     n = 800
     counts = Counter(tuple(engine.generate(prompt, 3, params, gen).tokens) for _ in range(n))
 
-    from runtime.sampling import warp
-
-    def probs(seq):  # exact target probabilities of the next token after seq
-        with torch.no_grad():
-            logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
-        return warp(logits[0, -1], params)
-
-    exact = {}
-    p1 = probs(prompt)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = probs(prompt + [a])
-        for b in p2.nonzero().flatten().tolist():
-            p3 = probs(prompt + [a, b])
-            for c in p3.nonzero().flatten().tolist():
-                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
-    dof = len(exact) - 1
-    assert chi2 < dof + 5 * math.sqrt(2 * dof)  # about 5 standard deviations of a chi-square
+    assert_three_tokens_follow_the_target(target, prompt, params, counts, n)
 
 
 def test_bad_requests_fail_before_generating(target):

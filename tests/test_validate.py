@@ -265,3 +265,22 @@ def test_validate_also_measures_the_configured_tree_beside_the_served_budget(tmp
     assert rec["metrics"]["tau_configured"] == full["tau"] >= 1.0
     assert "With the configured tree (3x2/6)" in (out / REPORT_MD).read_text()
     assert "tau" in rec["message"] and "configured tree (3x2/6)" in rec["message"]
+
+
+def test_validate_fails_the_gate_when_speculation_changes_greedy_output(exported, tiny_llama_dir, monkeypatch):
+    import runtime.engine as engine_module
+    from runtime.verify import Verdict
+    verify = engine_module.verify
+
+    def bonus_from_the_row_before(tree, logits, params, generator=None):
+        """WRONG (off by one): after an accepted draft, the bonus token is the argmax of the row before its own."""
+        verdict = verify(tree, logits, params, generator)
+        if params.greedy and verdict.accepted:
+            return Verdict(verdict.accepted, int(logits[verdict.accepted[-1]].argmax()))
+        return verdict
+
+    monkeypatch.setattr(engine_module, "verify", bonus_from_the_row_before)
+    rec = run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    assert rec["status"] == "gate_failed" and "require_lossless" in rec["message"]
+    m = json.loads((exported.stage_dir("validate") / REPORT_JSON).read_text())["metrics"]
+    assert m["lossless"] is False and m["lossy_prompts"] >= 1

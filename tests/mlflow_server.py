@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from export.bundle import write_bundle
-from pipeline.bench.load import free_port, stop, wait_healthy  # noqa: F401 - the tests' servers use them too
+from pipeline.bench.load import free_port, stop, wait_healthy
 from pipeline.home import write_json_atomic
 from pipeline.runstore import RunStore, StageResult
 from pipeline.stages import StageContext

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from mlflow_server import free_port, run_stage, stop, validated_run, wait_healthy
+from mlflow_server import run_stage, validated_run
 
+from pipeline.bench.load import free_port, start_server, stop
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
@@ -76,28 +77,34 @@ def test_pyfunc_refuses_a_bundle_for_other_weights(tmp_path, tiny_chat_target):
         mlflow.pyfunc.load_model(model_uri)
 
 
-@pytest.mark.slow
-def test_serve_champion_over_http(tmp_path, smollm2_dir):
-    """`pipeline serve`'s command serves models:/NAME@champion; POST /invocations answers like the target."""
-    cfg = registry_cfg(tmp_path, "smollm2-135m-instruct")
-    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(smollm2_dir))
+@contextmanager
+def served_champion(tmp_path: Path, target: Path | str, target_dir: Path, env: dict[str, str] | None = None):
+    """A validated run for `target` registered and promoted to champion, then served by `pipeline serve`'s command
+    on 127.0.0.1 (`env` over its environment) until the block ends: yields (config, port, the server's log)."""
+    cfg = registry_cfg(tmp_path, target)
+    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(target_dir))
     run_stage(cfg, store, "register", run_register)
     assert run_stage(cfg, store, "promote", run_promote)["metrics"]["promoted"]
     port = free_port()
-    argv, env = serve_invocation(cfg, port)
+    argv, served_env = serve_invocation(cfg, port)
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_server(argv, served_env | (env or {}), log)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/ping", proc, log, timeout_s=240)
-        prompts = ["List the first five prime numbers.", "What is the capital of France?"]
+        yield cfg, port, log
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_serve_champion_over_http(tmp_path, smollm2_dir):
+    """`pipeline serve`'s command serves models:/NAME@champion; POST /invocations answers like the target."""
+    prompts = ["List the first five prime numbers.", "What is the capital of France?"]
+    with served_champion(tmp_path, "smollm2-135m-instruct", smollm2_dir) as (cfg, port, _):
         body = json.dumps({"dataframe_records": [{"prompt": p, "max_new_tokens": 16} for p in prompts]}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=180) as r:
             predictions = json.loads(r.read())["predictions"]
-    finally:
-        stop(proc)
     expected = plain_greedy(smollm2_dir, prompts, 16, float_dtype(cfg.validate.precision, torch.device("cpu")))
     assert predictions == expected and all(p.strip() for p in predictions)
 

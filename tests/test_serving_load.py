@@ -5,13 +5,10 @@ import socket
 import time
 
 import torch
-from mlflow_server import run_stage, validated_run
-from test_serving import plain_greedy, registry_cfg
+from test_serving import plain_greedy, served_champion
 
-from pipeline.bench.load import free_port, post, run_load, same_as_reference, start_server, stop
-from pipeline.registry import run_promote, run_register
-from pipeline.serving import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV, serve_invocation
-from pipeline.sources import target_fingerprint
+from pipeline.bench.load import post, run_load, same_as_reference
+from pipeline.serving import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV
 from runtime.precision import float_dtype
 
 PROMPTS = ["w5 w6 w7 w5 w6 w7", "w40 w41 w40 w41", "w9 w8 w9", "w60 w61 w62 w60", "w70 w12 w70"]
@@ -30,26 +27,17 @@ def hang_up_mid_request(port: int, prompt: str, max_new_tokens: int) -> None:
 def test_bounded_load_on_a_real_server(tmp_path, tiny_chat_target):  # noqa: F811 - the fixture
     from transformers import AutoTokenizer
 
-    cfg = registry_cfg(tmp_path, tiny_chat_target)
-    store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target))
-    run_stage(cfg, store, "register", run_register)
-    assert run_stage(cfg, store, "promote", run_promote)["metrics"]["promoted"]
-    port = free_port()
-    argv, env = serve_invocation(cfg, port)
-    log = tmp_path / "serve.log"
-    proc = start_server(argv, env | {MAX_BATCH_ENV: "4", MAX_QUEUE_ENV: "8", POLICY_ENV: "measured"}, log)
-    url = f"http://127.0.0.1:{port}"
-    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
-    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-    try:
+    env = {MAX_BATCH_ENV: "4", MAX_QUEUE_ENV: "8", POLICY_ENV: "measured"}
+    with served_champion(tmp_path, tiny_chat_target, tiny_chat_target, env) as (cfg, port, log):
+        url = f"http://127.0.0.1:{port}"
+        tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
+        count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
         results = [run_load(url, PROMPTS, c, 2 * c, NEW_TOKENS, count, timeout_s=300) for c in (1, 2, 4)]
         start = time.monotonic()
         status, error = post(url, [{"prompt": "w5"}] * 13, timeout_s=60)
         refused_s = time.monotonic() - start
         hang_up_mid_request(port, PROMPTS[0], 60)
         after = run_load(url, PROMPTS, 2, 2, NEW_TOKENS, count, timeout_s=300)
-    finally:
-        stop(proc)
     dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))
     reference = dict(zip(PROMPTS, (plain_greedy(tiny_chat_target, [p], NEW_TOKENS, dtype)[0] for p in PROMPTS)))
     for r in results + [after]:

@@ -155,3 +155,22 @@ def assert_three_tokens_follow_the_target(target, prompt: list[int], params, cou
     chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
     dof = len(exact) - 1
     assert chi2 < dof + 5 * math.sqrt(2 * dof)
+
+
+def run_concurrently(call, n: int, timeout_s: float) -> tuple[dict, list]:
+    """call(0) ... call(n - 1), each on its own thread, all at once: ({i: what call(i) returned}, [what raised])."""
+    import threading
+    answers, errors = {}, []
+
+    def run(i):
+        try:
+            answers[i] = call(i)
+        except Exception as e:  # noqa: BLE001 - the caller checks them
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    return answers, errors

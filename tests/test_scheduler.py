@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+from helpers import run_concurrently
 
 from runtime.batch_engine import BatchEngine, BatchRequest
 from runtime.engine import Engine, EngineConfig
@@ -31,20 +32,12 @@ def scheduler(target, max_batch=2, max_queue=4, timeout_s=60.0):
 
 def test_concurrent_callers_get_their_own_answers(target):
     s = scheduler(target, max_batch=3, max_queue=8)
-    answers, errors = {}, []
 
     def call(i):
-        try:
-            rows = [BatchRequest(None, PROMPTS[(i + j) % 6], 10 + 3 * i + j) for j in range(1 + i % 2)]
-            answers[i] = [g.tokens for g in s.generate(rows)]
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            errors.append(e)
+        rows = [BatchRequest(None, PROMPTS[(i + j) % 6], 10 + 3 * i + j) for j in range(1 + i % 2)]
+        return [g.tokens for g in s.generate(rows)]
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    answers, errors = run_concurrently(call, 6, timeout_s=300)
     assert not errors and len(answers) == 6
     for i in range(6):
         assert answers[i] == [batch1(target, PROMPTS[(i + j) % 6], 10 + 3 * i + j) for j in range(1 + i % 2)]

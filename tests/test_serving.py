@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers import run_concurrently
 from mlflow_server import run_stage, validated_run
 
 from pipeline.bench.load import free_port, start_server, stop
@@ -181,8 +182,6 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
     """Two rows at once and no queue: three callers in parallel (one with two rows) each get their own greedy
     answers; a request of more rows than the server holds is refused at once with HTTP 429; bad settings are
     one-line errors naming the variable."""
-    import threading
-
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -199,19 +198,8 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
     frames = [[{"prompt": "w5 w6 w7 w5 w6", "max_new_tokens": 20.0}],
               [{"prompt": "w40 w41 w40", "max_new_tokens": 14.0}, {"prompt": "w9 w8 w9 w8", "max_new_tokens": 9.0}],
               [{"prompt": "w60 w61 w62", "max_new_tokens": 17.0}]]
-    answers, errors = {}, []
-
-    def call(i):
-        try:
-            answers[i] = model.predict(pd.DataFrame(frames[i]))
-        except Exception as e:  # noqa: BLE001 - QueueFull is possible: 3 rows fit, 4 are asked
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    # a 429 is possible: 3 rows fit, 4 are asked
+    answers, errors = run_concurrently(lambda i: model.predict(pd.DataFrame(frames[i])), 3, timeout_s=600)
     dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))
     for i, frame in enumerate(frames):
         if i in answers:

@@ -60,9 +60,11 @@ class Timed:
 
 
 def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params: SamplingParams,
-                 seed: int, repeats: int = 1) -> dict[str, Timed]:
+                 seed: int, repeats: int = 1, desc: str = "validate") -> dict[str, Timed]:
     """Every method over all prompts, the methods back to back on each prompt, the fastest of `repeats` runs of
-    each (pipeline.bench.harness.interleaved)."""
+    each (pipeline.bench.harness.interleaved), with a progress bar named `desc`."""
+    from tqdm import tqdm
+
     from pipeline.bench.harness import interleaved
 
     outputs = {name: [] for name in methods}
@@ -71,7 +73,9 @@ def time_methods(methods: dict[str, Generate], prompts: list[list[int]], params:
     by_depth = {name: [] for name in methods}
     kv_saved = {name: [] for name in methods}
     runs = {name: lambda ids, gen, run=run: run(ids, params, gen) for name, run in methods.items()}
-    for name, elapsed, tokens, metrics in interleaved(runs, prompts, seed, repeats):
+    with tqdm(total=len(methods) * len(prompts) * repeats, desc=desc, unit="run") as bar:
+        measured = list(interleaved(runs, prompts, seed, repeats, progress=bar))
+    for name, elapsed, tokens, metrics in measured:
         seconds[name] += elapsed
         outputs[name].append(tokens)
         if metrics is not None:
@@ -107,6 +111,7 @@ def gate_reasons(metrics: dict, gate: GateCfg, sparse: bool = False) -> list[str
 
 def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[float]) -> dict:
     """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     from pipeline.bench.harness import device_name, fitting_context, hf_generate
@@ -142,15 +147,17 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     if served.engine.lookup is not None:  # the engine drafts with the lookup branch
         methods[LOOKUP] = lambda ids, params, gen: (
             hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, prompt_lookup=served.budget.lookup), None)
-    for run in methods.values():  # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
+    # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
+    for run in tqdm(list(methods.values()), desc="validate: warm-up", unit="method"):
         run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
     seed = ctx.cfg.run.seed
-    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, v.repeats)
+    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, v.repeats, f"validate: T={t:g}")
              for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
     full = served_engine(bundle, target, max_seq_len, budget=configured).engine
-    configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed)["full"]
+    configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed,
+                                   desc="validate: the configured tree")["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": budget_dict(engines["spec"]), "timed": timed,
             "sparse": None if served.engine.cfg.sparse is None else asdict(served.engine.cfg.sparse),

@@ -153,8 +153,11 @@ def test_export_fails_when_onnx_parity_fails(tmp_path, tiny_llama_dir, monkeypat
     assert store.record("export") is None and not store.stage_dir("export").exists()
 
 
-def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir):
+def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir, capfd):
     rec = run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    shown = capfd.readouterr().err
+    assert all(f"{bar}: 100%" in shown for bar in ("validate: warm-up", "validate: T=0", "validate: T=0.8",
+                                                   "validate: the configured tree"))
     out = exported.stage_dir("validate")
     assert rec["status"] == "completed"
     for name in (REPORT_JSON, REPORT_MD, PROMPTS_JSONL, ACCEPTANCE_PNG, SPEEDUP_PNG):

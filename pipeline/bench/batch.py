@@ -45,6 +45,7 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
                     print_table: bool = True) -> dict:
     """Time each method over `prompts` in batches of `batch`. `policy`: the batched speculation's draft budget at
     each batch size, the served one (`fixed`) or measured here first (`measured`, as serving chooses)."""
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if batch < 1 or not prompts:
@@ -73,19 +74,28 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
     methods = {"hf_generate_batch": lambda group: (hf_generate_batch(hf, group, max_new_tokens, stops), 0)}
     methods |= {name: ours(e) for name, e in engines.items()}
     groups = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
-    for run in methods.values():  # warm-up: allocator, kernels, caches
-        run([p[:8] for p in groups[0]])
     totals = {name: {"seconds": 0.0, "new_tokens": 0, "forwards": 0, "tokens": []} for name in methods}
-    for group in groups:
-        for name, run in methods.items():
-            start = time.perf_counter()
-            tokens, forwards = run(group)
-            t = totals[name]
-            t["seconds"] += time.perf_counter() - start
-            t["new_tokens"] += sum(map(len, tokens))
-            t["forwards"] += forwards
-            t["tokens"] += tokens
-    batch1 = [single.generate(p, max_new_tokens, stop_ids=stops).tokens for p in prompt_ids]
+    with tqdm(total=len(methods) * (1 + len(groups)) + len(prompt_ids), desc="batch bench", unit="run") as bar:
+        for name, run in methods.items():  # warm-up: allocator, kernels, caches
+            bar.set_postfix_str(f"{name}, warm-up")
+            run([p[:8] for p in groups[0]])
+            bar.update()
+        for i, group in enumerate(groups, start=1):
+            for name, run in methods.items():
+                bar.set_postfix_str(f"{name}, batch {i}/{len(groups)}")
+                start = time.perf_counter()
+                tokens, forwards = run(group)
+                t = totals[name]
+                t["seconds"] += time.perf_counter() - start
+                t["new_tokens"] += sum(map(len, tokens))
+                t["forwards"] += forwards
+                t["tokens"] += tokens
+                bar.update()
+        bar.set_postfix_str("each prompt's batch-1 decode")
+        batch1 = []
+        for p in prompt_ids:
+            batch1.append(single.generate(p, max_new_tokens, stop_ids=stops).tokens)
+            bar.update()
     results = {}
     for name, t in totals.items():
         r = results[name] = {"new_tokens": t["new_tokens"], "seconds": t["seconds"],

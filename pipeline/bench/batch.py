@@ -8,12 +8,11 @@ tokens over wall time, prefill included.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
-from pipeline.bench.harness import Speculation, device_name
+from pipeline.bench.harness import Speculation, device_name, interleaved
 from runtime.batch_engine import BatchEngine, BatchRequest
 from runtime.engine import Engine, EngineConfig, tokens_per_forward
 from runtime.model import Transformer
@@ -66,12 +65,12 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
     single = Engine(target, None, cfg)
 
     def ours(engine: BatchEngine):
-        def run(group: list[list[int]]):
+        def run(group: list[list[int]], _gen=None):
             out = engine.generate([BatchRequest(i, p, max_new_tokens, stop_ids=stops) for i, p in enumerate(group)])
             return [g.tokens for g in out], sum(g.metrics.target_forwards for g in out)
         return run
 
-    methods = {"hf_generate_batch": lambda group: (hf_generate_batch(hf, group, max_new_tokens, stops), 0)}
+    methods = {"hf_generate_batch": lambda group, _gen=None: (hf_generate_batch(hf, group, max_new_tokens, stops), 0)}
     methods |= {name: ours(e) for name, e in engines.items()}
     groups = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
     totals = {name: {"seconds": 0.0, "new_tokens": 0, "forwards": 0, "tokens": []} for name in methods}
@@ -80,17 +79,12 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
             bar.set_postfix_str(f"{name}, warm-up")
             run([p[:8] for p in groups[0]])
             bar.update()
-        for i, group in enumerate(groups, start=1):
-            for name, run in methods.items():
-                bar.set_postfix_str(f"{name}, batch {i}/{len(groups)}")
-                start = time.perf_counter()
-                tokens, forwards = run(group)
-                t = totals[name]
-                t["seconds"] += time.perf_counter() - start
-                t["new_tokens"] += sum(map(len, tokens))
-                t["forwards"] += forwards
-                t["tokens"] += tokens
-                bar.update()
+        for name, seconds, tokens, forwards in interleaved(methods, groups, seed=0, progress=bar):  # greedy
+            t = totals[name]
+            t["seconds"] += seconds
+            t["new_tokens"] += sum(map(len, tokens))
+            t["forwards"] += forwards
+            t["tokens"] += tokens
         bar.set_postfix_str("each prompt's batch-1 decode")
         batch1 = []
         for p in prompt_ids:

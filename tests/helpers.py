@@ -35,6 +35,16 @@ def self_distilled_rows(target: Transformer, rows: int, prompt_vocab: int, new_t
     return TokenizedSet.from_rows(out_rows)
 
 
+def perturbed(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    """`module` with Gaussian noise added to every weight, in eval mode: breaks identity-like initialisations so every
+    weight shows in the outputs, and makes a drafter near a model but not equal to it."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return module.eval()
+
+
 def run_stage_on(store: RunStore, stage: str, cfg, target_dir, fn) -> dict:
     """A stage's function run atomically in `store` against `target_dir` (no preset resolution); stage.json."""
     def body(out):

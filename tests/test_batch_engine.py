@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import NoisyOracle, assert_three_tokens_follow_the_target
+from helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
 
 from runtime.batch_budget import batch_sizes, measure_policy
 from runtime.batch_engine import BatchEngine, BatchRequest
@@ -32,14 +32,6 @@ def target(tiny_llama_dir):
     return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
-def _perturbed(model, seed=0, scale=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # a random drafter that proposes varied trees, some nodes right and some wrong
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
 class RowOracle(NoisyOracle):
     """NoisyOracle for whichever prompt its row gets: it knows each prompt's greedy continuation and hides the right
     token among wrong siblings at a random place, so accepted paths leave the tree's first nodes (compaction)."""
@@ -61,12 +53,12 @@ def drafter_factory(kind: str, target: Transformer):
     if kind == "ngram":
         return lambda: NgramDrafter(target.config.vocab_size)
     if kind == "eagle":
-        model = _perturbed(build_eagle(target, None))
+        model = perturbed(build_eagle(target, None))
         return lambda: EagleDrafter(model, 128)
     if kind == "medusa":
-        heads = _perturbed(build_medusa(target, num_heads=3, keep_ids=None))
+        heads = perturbed(build_medusa(target, num_heads=3, keep_ids=None))
         return lambda: MedusaDrafter(heads)
-    model = _perturbed(build_lm(target, layers=1, init="target"))
+    model = perturbed(build_lm(target, layers=1, init="target"))
     return lambda: LMDrafter(model, 128)
 
 
@@ -257,5 +249,5 @@ def test_batched_eagle_proposes_each_rows_own_tree(target, params):
 def test_eagle3_rows_equal_their_batch1_greedy_decode(tiny_model_dir):
     """eagle3 drafts a batch from the streams the batched verify taps: wrong or missing streams change its trees."""
     target = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=8), max_seq_len=128)
-    model = _perturbed(Eagle3Model.from_target(target, None, aux_layers(None, 8)))
+    model = perturbed(Eagle3Model.from_target(target, None, aux_layers(None, 8)))
     rows_equal_batch1(target, lambda: EagleDrafter(model, 128), {"lookup": 2}, batched=True)

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import assert_three_tokens_follow_the_target
+from helpers import assert_three_tokens_follow_the_target, perturbed
 
 import runtime.engine as engine_module
 import runtime.verify as verify_module
@@ -17,7 +17,7 @@ from runtime.drafters.medusa import MedusaDrafter
 from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
-from runtime.sampling import SamplingParams, warp
+from runtime.sampling import SamplingParams, sample, warp
 from runtime.verify import Verdict
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
@@ -36,14 +36,6 @@ def target(tiny_model_dir):
     return Transformer.from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=16)
 
 
-def perturbed(module: torch.nn.Module, scale: float) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return module.eval().requires_grad_(False)
-
-
 def drafter(kind: str, target: Transformer):
     """A drafter of `kind` whose draft distributions are near the target's but not equal to them."""
     torch.manual_seed(0)
@@ -54,7 +46,7 @@ def drafter(kind: str, target: Transformer):
     return MedusaDrafter(perturbed(build_medusa(target, num_heads=2, keep_ids=None), 0.05))
 
 
-def sample(target: Transformer, kind: str) -> tuple[Counter, float]:
+def generate_counts(target: Transformer, kind: str) -> tuple[Counter, float]:
     """Counts of the first three tokens over TRIALS generations of LENGTH, and the mean tokens per target forward."""
     cfg = EngineConfig(max_seq_len=16, budget=BUDGET, adaptive=False)
     engine = Engine(target, drafter(kind, target), cfg)
@@ -69,7 +61,7 @@ def sample(target: Transformer, kind: str) -> tuple[Counter, float]:
 
 @pytest.mark.parametrize("kind", ["lm", "eagle", "medusa"])
 def test_speculative_sampling_keeps_the_target_distribution(target, kind):
-    counts, tau = sample(target, kind)
+    counts, tau = generate_counts(target, kind)
     # drafts were rejected (each rejection samples the residual of the draft's q), and for lm and EAGLE also
     # accepted; untrained Medusa heads guess tokens ahead of the target and are almost never right
     assert (1.0 if kind == "medusa" else 1.05) <= tau < 1.9, tau  # 2.0: every draft accepted
@@ -93,7 +85,7 @@ def _accept_every_draft(tree, logits, params, generator=None):
     while children[row]:
         path.append(children[row][0])
         row = path[-1] + 1
-    return Verdict(path, int(torch.multinomial(warp(logits[row], params), 1, generator=generator)))
+    return Verdict(path, int(sample(warp(logits[row], params), generator)))
 
 
 @pytest.mark.parametrize("wrong", ["no residual", "accepts every draft"])
@@ -102,6 +94,6 @@ def test_a_wrong_engine_fails_the_same_test(target, monkeypatch, wrong):
         monkeypatch.setattr(verify_module, "_reject", _reject_without_residual)
     else:
         monkeypatch.setattr(engine_module, "verify", _accept_every_draft)
-    counts, _ = sample(target, "lm")
+    counts, _ = generate_counts(target, "lm")
     with pytest.raises(AssertionError):
         assert_three_tokens_follow_the_target(target, PROMPT, PARAMS, counts, TRIALS)

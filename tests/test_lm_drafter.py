@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import run_stage_on, self_distilled_rows
+from helpers import perturbed, run_stage_on, self_distilled_rows
 from export.bundle import write_bundle
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from pipeline.config import Config
@@ -52,14 +52,6 @@ def self_distilled(target):
     return self_distilled_rows(target, rows=16, prompt_vocab=VOCAB, new_tokens=34)
 
 
-def _perturbed(model, seed=0, scale=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return model
-
-
 def _train(model, loss_fn, data, steps, ckpt, lr):
     history = []
     train(model, loss_fn, Batches(data, 8, seed=0), TrainSpec(steps=steps, lr=lr, warmup=2), ckpt,
@@ -89,7 +81,7 @@ def test_kd_loss_compares_next_token_distributions_on_assistant_tokens(target, k
     loss, metrics = loss_fn(copy, batch)
     assert loss.item() == pytest.approx(0.0, abs=1e-5) and metrics["top1"] == 1.0
 
-    drafter = _perturbed(lm_recipe.build_lm(target, target.config.n_layers, "target"), scale=0.2)
+    drafter = perturbed(lm_recipe.build_lm(target, target.config.n_layers, "target"), scale=0.2)
     loss, _ = loss_fn(drafter, batch)
 
     def next_token_logits(model):
@@ -132,7 +124,7 @@ def test_lm_learns_and_stays_lossless(target, self_distilled, tmp_path, kind, in
 def test_kept_tree_kv_matches_a_fresh_drafter(target):
     """After commits that reuse the KV of expanded tree nodes (compacted in place), the drafter proposes what a
     drafter reset on the whole committed sequence proposes: a wrong slot, position or mask would show."""
-    model = _perturbed(lm_recipe.build_lm(target, 2, "target"), scale=0.1).eval()
+    model = perturbed(lm_recipe.build_lm(target, 2, "target"), scale=0.1)
     drafter = LMDrafter(model, 128)
     tokens = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(5))
     drafter.reset(tokens, None)
@@ -201,7 +193,7 @@ def test_hf_conversion_round_trips(tiny_model_dir, tmp_path, arch, overrides):
 
 
 def test_lm_step_exports_to_onnx(target, tmp_path):
-    model = _perturbed(lm_recipe.build_lm(target, 1, "random")).eval()
+    model = perturbed(lm_recipe.build_lm(target, 1, "random"))
     path = tmp_path / ONNX_FILE
     record = export_onnx(model, "lm", example_inputs(model, "lm", 2, 5), path)
     assert record["inputs"] == {"input_ids": ["batch", "seq"]} and record["outputs"]["logits"] == ["batch", "seq", 96]

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
+from helpers import perturbed
 from runtime.eagle_drafting import EagleStep
 from runtime.model import Transformer
 from train.recipes.eagle import build_eagle
@@ -14,19 +15,10 @@ def target(tiny_llama_dir):
     return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64)
 
 
-def _perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Break the identity-like initialisations so every weight shows up in the outputs."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return module.eval()
-
-
 def _drafter(target, kind):
     if kind == "eagle":  # a reduced draft vocabulary, so the head's row selection is exported too
-        return _perturbed(build_eagle(target, torch.arange(0, 96, 3)))
-    return _perturbed(build_medusa(target, num_heads=3, keep_ids=None))
+        return perturbed(build_eagle(target, torch.arange(0, 96, 3)))
+    return perturbed(build_medusa(target, num_heads=3, keep_ids=None))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
@@ -50,7 +42,7 @@ def test_parity_check_catches_a_different_model(target, tmp_path):
     drafter = _drafter(target, "medusa")
     path = tmp_path / ONNX_FILE
     export_onnx(drafter, "medusa", example_inputs(drafter, "medusa", 2, 3), path)
-    _perturbed(drafter, seed=1)  # the file now holds stale weights
+    perturbed(drafter, seed=1)  # the file now holds stale weights
     parity = check_onnx_parity(drafter, "medusa", path, example_inputs(drafter, "medusa", 2, 3))
     assert not parity["passed"] and parity["max_rel_diff"] > parity["tolerance"]
 

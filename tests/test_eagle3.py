@@ -6,7 +6,7 @@ import torch
 
 from export.bundle import write_bundle
 from export.calibrate.replay import ReplayTarget, reference, replay
-from helpers import self_distilled_rows
+from helpers import perturbed, self_distilled_rows
 from runtime.budget import DraftBudget
 from runtime.bundle import BundleError, read_bundle
 from runtime.batch_generate import BatchGenerator, Request
@@ -47,12 +47,9 @@ def rows(target):
 
 
 def randomised(target: Transformer) -> Eagle3Model:
+    # every weight off its pass-through init: every token, position and key matters
     model = Eagle3Model.from_target(target, torch.arange(0, VOCAB, 2), aux_layers(None, LAYERS))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # every weight off its pass-through init: every token, position and key matters
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model.eval().requires_grad_(False)
+    return perturbed(model, scale=0.1).requires_grad_(False)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from export.engine_formats import write_engine_export
+from helpers import perturbed
 from runtime.drafters.eagle3 import KIND, Eagle3Config, Eagle3Model, aux_layers
 from runtime.model import Taps, Transformer
 
@@ -26,12 +27,7 @@ def target(target_dir):
 
 def trained_like(target: Transformer, keep: torch.Tensor | None, seed: int = 0) -> Eagle3Model:
     """An eagle3 drafter with every weight moved off its initial value, as training leaves it."""
-    model = Eagle3Model.from_target(target, keep, aux_layers(None, LAYERS))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    return perturbed(Eagle3Model.from_target(target, keep, aux_layers(None, LAYERS)), seed=seed)
 
 
 def exported(model, fmt: str, out, verifier: dict) -> dict:

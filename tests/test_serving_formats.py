@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from export.engine_formats import write_engine_export
+from helpers import perturbed
 from runtime.draft_head import DraftHead
 from runtime.drafters.eagle import HOT_TOKENS, KIND, EagleModel
 from runtime.model import Transformer
@@ -37,11 +38,7 @@ def target(tiny_llama_dir):
 def reference_layout(model: EagleModel, seed: int = 0) -> EagleModel:
     """The EAGLE reference layout the engines run (no input norm before attention), with every weight perturbed."""
     model.block.attention_norm = nn.Identity()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    return perturbed(model, seed=seed)
 
 
 def hf_layer(layer_config: dict) -> nn.Module:

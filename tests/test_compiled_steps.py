@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from helpers import perturbed
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
 from runtime import cpu_packing
 from runtime.budget import DraftBudget
@@ -62,11 +63,7 @@ def packing(request, monkeypatch, target):
 
 def test_compiled_static_verify_and_drafting_generate_the_same(target, packing):
     torch.manual_seed(0)
-    eagle = build_eagle(target, None, from_target=False).eval()
-    with torch.no_grad():
-        for p in eagle.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    eagle.requires_grad_(False)
+    eagle = perturbed(build_eagle(target, None, from_target=False), scale=0.1).requires_grad_(False)
     prompt = torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(3, 2, 5), adaptive=False, static_verify=True)
     plain = Engine(target, EagleDrafter(eagle, 128), cfg).generate(prompt, 40, SamplingParams())

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from helpers import perturbed
 from runtime.draft_head import DraftHead, frequent_token_ids
 from runtime.budget import DraftBudget
 from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree
@@ -62,10 +63,7 @@ def test_eagle_tree_matches_sequential_recompute(target):
     (committed pairs, then each ancestor with the feature predicted at its parent). A wrong tree mask (a
     sibling's KV visible), slot or position changes it."""
     torch.manual_seed(0)
-    model = build_eagle(target, None).eval()
-    with torch.no_grad():  # break the pass-through init so tokens, positions and context all matter
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = perturbed(build_eagle(target, None))  # off the pass-through init: tokens, positions, context all matter
     ids = torch.randint(0, 96, (1, 12))
     feats = target.run(ids, target.new_cache(1, 64), torch.arange(12)[None]).hidden[0]
     drafter = EagleDrafter(model, 128)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import NoisyOracle
+from helpers import NoisyOracle, perturbed
 
 from runtime.budget import DraftBudget
 from runtime.eagle_drafting import EagleDrafter
@@ -54,11 +54,7 @@ def drafter(kind: str, target: Transformer, reference: list[int]):
         return NoisyOracle(target.config.vocab_size, reference, p_right=0.8, width=2, seed=0)
     if kind == "lm":
         return LMDrafter(build_lm(target, target.config.n_layers, "target").eval(), 128)
-    torch.manual_seed(0)
-    eagle = build_eagle(target, None).eval()
-    with torch.no_grad():  # off the pass-through init, so tokens and context matter
-        for p in eagle.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    eagle = perturbed(build_eagle(target, None))  # off the pass-through init, so tokens and context matter
     return EagleDrafter(eagle.requires_grad_(False), 128)
 
 

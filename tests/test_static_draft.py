@@ -4,6 +4,7 @@ tau."""
 import pytest
 import torch
 
+from helpers import perturbed
 from runtime.budget import DraftBudget
 from runtime.eagle_drafting import EagleDrafter
 from runtime.engine import Engine, EngineConfig
@@ -22,11 +23,8 @@ def target(tiny_llama_dir):
 def eagle(target, request):
     torch.manual_seed(0)
     keep = torch.arange(0, target.config.vocab_size, 2) if request.param else None
-    model = build_eagle(target, keep, from_target=False).eval()
-    with torch.no_grad():  # random weights, not the pass-through init: every token, position and key matters
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.requires_grad_(False)
+    # random weights, not the pass-through init: every token, position and key matters
+    return perturbed(build_eagle(target, keep, from_target=False), scale=0.1).requires_grad_(False)
 
 
 BUDGETS = [DraftBudget(3), DraftBudget(2), DraftBudget(4, 2), DraftBudget(1, 3), DraftBudget(3, 3, 5),

@@ -98,6 +98,9 @@ class CalibrateCfg(Section):
     kv_max_slowdown: float = Field(0.05, ge=0)
     prompts: int = Field(4, ge=1)  # calibration prompts from the validation split
     tokens: int = Field(256, ge=8)  # tokens per calibration row
+    # > 0: KV schemes and the SpecAttn top-p are measured at this many tokens of context (held-out conversations
+    # joined), where they pay off; 0: on the calibration rows above
+    context: int = Field(0, ge=0)
     dense_first: int = Field(2, ge=0)  # SpecAttn: the first target layers always attend densely
     top_p: list[float] = [0.5, 0.8, 0.9, 0.95, 0.99]  # SpecAttn: draft attention mass kept per head
 

@@ -6,14 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from export.calibrate.budget import choose_budget
 from export.calibrate.kv import choose_kv_scheme, decode_ms, kv_message, quantized_nll
 from export.calibrate.layer_map import DENSE, LayerMap
 from export.calibrate.replay import ReplayTarget, reference, replay
-from export.calibrate.specattn import calibration_row, choose_top_p, effective_keys, sparse_nll, target_selector
-from export.calibrate.stage import CalibrateSettings, run_calibrate
+from export.calibrate.specattn import (calibration_row, choose_top_p, draft_selector, effective_keys, sparse_nll,
+                                      target_selector, teacher_forced)
+from export.calibrate.stage import CalibrateSettings, long_prompts, long_rows, run_calibrate
 from export.calibrate.weights import choose_scheme
 from pipeline.config import Config
 from pipeline.runstore import RunStore
@@ -30,7 +31,7 @@ from runtime.sampling import SamplingParams
 from train.recipes import eagle as eagle_recipe
 from train.recipes import lm as lm_recipe
 from train.batches import Batches
-from train.data import TokenizedSet
+from train.data import TokenizedSet, prompts_from
 from train.trainer import TrainSpec, train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
@@ -83,10 +84,11 @@ def make_hard_to_quantise(tensors: dict, factor: float) -> None:
             w13[INTERMEDIATE + k] /= factor
 
 
-def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outlier=0.0) -> StageContext:
+def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outlier=0.0, context=0) -> StageContext:
     cfg = Config.model_validate({"run": {"dir": str(tmp_path)},
                                  "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
                                  "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P,
+                                               "context": context,
                                                "weight_schemes": SCHEMES,
                                                "kv_recent": 8},  # 40-token rows: a history to quantise
                                  "validate": {"max_new_tokens": REPLY}})
@@ -234,6 +236,57 @@ def test_zero_tolerance_rejects_damaging_schemes(tmp_path, target_dir, distilled
     for c in quant["candidates"]:
         if c["scheme"] == quant["chosen"]:
             assert c["tau_drop"] <= 0.0
+
+
+def test_long_rows_join_the_held_out_rows_and_a_long_prompt_leaves_its_own_conversation_out(distilled):
+    data = distilled[0]  # 12 rows of 40 tokens
+    held_out = [data.row(i)[0].tolist() for i in range(len(data))]
+    rows = long_rows(data, 3, 100)
+    assert [r.tolist() for r in rows] == [sum(held_out, [])[i * 100:(i + 1) * 100] for i in range(3)]
+    assert len(long_rows(data, 10, 100)) == 4  # 480 tokens hold four whole rows of 100
+    prompts = prompts_from(data, 3)
+    for i, (prompt, long) in enumerate(zip(prompts, long_prompts(data, prompts, 100))):
+        others = sum(held_out[:i] + held_out[i + 1:], [])
+        assert long == others[-(100 - len(prompt)):] + prompt
+    with pytest.raises(ValueError, match=r"^calibrate.context=1000: the validation split holds 480 tokens, not one "):
+        long_rows(data, 1, 1000)
+    with pytest.raises(ValueError, match=r"^calibrate.context=1000: the validation split holds 440 tokens besides"):
+        long_prompts(data, prompts, 1000)
+
+
+def test_a_calibrate_context_measures_the_kv_schemes_and_specattn_at_that_context(tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled, context=120)
+    result = run_calibrate(ctx, FAST)
+    kv, sparsity = (json.loads((ctx.out / name).read_text()) for name in ("kv_quant.json", "sparsity.json"))
+    assert kv["decode_context"] == 120 and kv["rows"] == 3 and "120 tokens of context" in result.message
+    assert sparsity["tokens"] == 3 * 120 and sparsity["layer_map_tokens"] == 3 * 40  # the layer map: short rows
+    # both dense taus are the drafter's at 120 tokens of context, measured here again
+    data = distilled[0]
+    target = ctx.load_target()
+    config = json.loads((ctx.input("distill") / "drafter_config.json").read_text())
+    tensors = load_file(str(ctx.input("distill") / "drafter.safetensors"))
+    drafter = served_drafter(config, drafter_module(config, target, tensors), target, tensors)
+    long = long_prompts(data, prompts_from(data, FAST.tau_prompts), 120)
+    tau = ctx.tau_probe(long, FAST.tau_new_tokens).measure(target, drafter)["tau"]
+    assert kv["dense_tau"] == sparsity["dense_tau"] == tau
+    assert tau != json.loads((ctx.out / "quant.json").read_text())["fp32_tau"]  # the short prompts' tau differs
+    # the top-p sweep read the long rows: its KV reads saved and perplexity, recomputed on them
+    layer_map = LayerMap.from_json((ctx.out / "layer_map.json").read_text())
+    model = drafter_module(config, target, tensors)
+    rows = [calibration_row(target, get_kind("eagle"), model, r, target_attention=False)
+            for r in long_rows(data, 3, 120)]
+    first = sparsity["sweep"][0]
+    again = teacher_forced(target, rows, SpecAttnConfig(layer_map.mapping, first["top_p"], layer_map.dense_first),
+                           draft_selector, sparsity["dense_perplexity"])
+    assert again["kv_saved"] == pytest.approx(first["kv_saved"]) and again["perplexity"] == pytest.approx(
+        first["perplexity"])
+
+
+def test_a_calibrate_context_beyond_the_target_s_is_one_clear_error(tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled, context=240)  # the tiny target holds 256 positions
+    with pytest.raises(ValueError, match=r"^calibrate.context=240: drafting 24 tokens after it needs 289 positions, "
+                                         r"more than the target's context of 256$"):
+        run_calibrate(ctx, FAST)
 
 
 def test_choose_scheme_prefers_smallest_within_tolerance():

@@ -37,7 +37,9 @@ DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
 @dataclass(frozen=True)
 class CalibrationRow:
     ids: torch.Tensor  # [T] token ids
-    target_attention: torch.Tensor  # [Lt, H, T-1, T-1] queries 1.., keys x_1.. (what the draft sees), renormalised
+    # [Lt, H, T-1, T-1] queries 1.., keys x_1.. (what the draft sees), renormalised; None where not kept (a long row
+    # that only the top-p sweep reads: every layer's attention would not fit in memory)
+    target_attention: torch.Tensor | None
     # [Ld, H, T, T]: per draft layer, query t's weights over the target's keys 0..t, as the drafter sees them
     # when it proposes x_{t+1} (the EAGLE pair at t, the lm's token x_t)
     draft_attention: torch.Tensor
@@ -54,17 +56,18 @@ def renormalised(att: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, ids: torch.Tensor) -> CalibrationRow:
-    """One row's target and draft attention. The draft's rows are in the target's key positions as the kind maps
-    them (an EAGLE pair never sees x_0, which the target's queries do: key 0 is dropped from the rows compared in
-    the layer map, which are renormalised over x_1..)."""
+def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, ids: torch.Tensor,
+                    target_attention: bool = True) -> CalibrationRow:
+    """One row's target and draft attention (the target's only if `target_attention`). The draft's rows are in the
+    target's key positions as the kind maps them (an EAGLE pair never sees x_0, which the target's queries do: key 0
+    is dropped from the rows compared in the layer map, which are renormalised over x_1..)."""
     T = ids.numel()
-    layers = tuple(range(target.config.n_layers))
+    layers = tuple(range(target.config.n_layers)) if target_attention else ()
     taps = Taps(hidden_layers=Taps.entering(kind.reads(model)).hidden_layers, attention_layers=layers)
     out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps)
-    att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers]))
+    att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])).float() if layers else None
     att_d = kind.draft_attention(model, out, ids)
-    return CalibrationRow(ids, att_t.float(), att_d.float(), next_token_nll(out.logits, ids))
+    return CalibrationRow(ids, att_t, att_d.float(), next_token_nll(out.logits, ids))
 
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -180,13 +183,18 @@ def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, 
 
 def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model: nn.Module, drafter: Drafter,
                        ids: list[torch.Tensor], *, dense_first: int, top_p: list[float], ppl_tolerance: float,
-                       probe: TauProbe) -> tuple[dict[str, str], dict[str, float], str]:
+                       probe: TauProbe, long_ids: list[torch.Tensor] | None = None
+                       ) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
-    when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message)."""
+    when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message). With
+    `long_ids` (calibrate.context) the top-p sweep reads those rows, and `probe` should draft at that context too;
+    the layer map and the ceiling, which hold every target layer's attention, stay on `ids`."""
     rows = [calibration_row(target, kind, model, r) for r in progress(ids, "layer map rows", "row")]
     S, layer_map = fit_layer_map(rows, dense_first)
     settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
-    dense_ppl = perplexity([r.dense_nll for r in rows])
+    swept = rows if long_ids is None else [calibration_row(target, kind, model, r, target_attention=False)
+                                           for r in progress(long_ids, "long-context rows", "row")]
+    dense_ppl = perplexity([r.dense_nll for r in swept])
     sweep, bar = [], tqdm(total=1 + len(top_p), desc="calibrate: SpecAttn top-p sweep", unit="top-p")
     bar.set_postfix_str("dense")
     dense_tau = probe.measure(target, drafter)["tau"]
@@ -194,11 +202,12 @@ def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model:
         bar.update()
         bar.set_postfix_str(f"top-p {p}")
         sparse = SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first)
-        sweep.append(measure_top_p(target, drafter, rows, sparse, dense_ppl, dense_tau, probe))
+        sweep.append(measure_top_p(target, drafter, swept, sparse, dense_ppl, dense_tau, probe))
     bar.update()
     bar.close()
     chosen = choose_top_p(sweep, ppl_tolerance)
-    ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, dense_ppl)
+    rows_ppl = dense_ppl if swept is rows else perplexity([r.dense_nll for r in rows])
+    ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, rows_ppl)
                for p in progress(sorted(top_p), "SpecAttn ceiling (target's own attention)", "top-p")]
     ceiling_chosen = choose_top_p(ceiling, ppl_tolerance)
     ceiling_saved = ceiling_chosen["kv_saved"] if ceiling_chosen else 0.0
@@ -207,8 +216,9 @@ def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model:
     spread = {"draft_attention_keys": effective_keys([r.draft_rows for r in rows]),
               "target_attention_keys": effective_keys([r.target_attention for r in rows])}
     report = {**spread, "dense_perplexity": dense_ppl, "dense_tau": dense_tau, "ppl_tolerance": ppl_tolerance,
-              "sink": settings.sink, "recent": settings.recent, "rows": len(rows),
-              "tokens": sum(r.ids.numel() for r in rows), "chosen_top_p": settings.top_p, "sweep": sweep,
+              "sink": settings.sink, "recent": settings.recent, "rows": len(swept),
+              "tokens": sum(r.ids.numel() for r in swept), "layer_map_tokens": sum(r.ids.numel() for r in rows),
+              "chosen_top_p": settings.top_p, "sweep": sweep,
               "ceiling_kv_saved_at_ppl_tolerance": ceiling_saved, "ceiling_sweep": ceiling}
     (out / "layer_map.json").write_text(layer_map.to_json() + "\n")
     (out / "sparsity.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -67,6 +67,30 @@ def calibration_rows(ts: Any, n: int, max_tokens: int) -> list[torch.Tensor]:
     return rows
 
 
+def long_rows(ts: Any, n: int, context: int) -> list[torch.Tensor]:
+    """Up to n rows of `context` tokens: the held-out conversations one after another, cut into pieces."""
+    stream = torch.cat([ts.row(i)[0] for i in range(len(ts))])
+    rows = [r for r in stream[: n * context].split(context) if r.numel() == context]
+    if not rows:
+        raise ValueError(f"calibrate.context={context}: the validation split holds {stream.numel()} tokens, not one "
+                         f"row of {context} (lower calibrate.context or hold out more conversations)")
+    return rows
+
+
+def long_prompts(ts: Any, prompts: list[list[int]], context: int) -> list[list[int]]:
+    """Each prompt after the other held-out conversations, joined and cut to fill `context` tokens before it: a
+    reply drafted at that context. A prompt's own conversation is left out, or the lookup would copy its reply."""
+    rows = [ts.row(i)[0].tolist() for i in range(len(ts))]
+    out = []
+    for p in prompts:
+        history = [t for r in rows if r[: len(p)] != p for t in r][-(context - len(p)):] if context > len(p) else []
+        if len(history) + len(p) < context:
+            raise ValueError(f"calibrate.context={context}: the validation split holds {len(history)} tokens besides "
+                             f"a {len(p)}-token prompt's conversation, fewer than the context")
+        out.append(history + p)
+    return out
+
+
 def budget_prompts(num_validate: int, ctx: CalibrateContext, s: CalibrateSettings) -> list[list[int]]:
     """Validation prompts after the ones validate times (its first `num_validate`), so the budget is not chosen on
     the prompts it is then judged on; the first ones when the split has no others."""
@@ -83,15 +107,24 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         return ctx.result({"quant": "quant.json"}, {},
                           f"{kind.name} drafter has no weights: quantisation and layer map not applicable")
     c, v = ctx.cfg.calibrate, ctx.cfg.validate
+    configured, corpus_file = ctx.configured_budget(), ctx.lookup_corpus_file()
     with tqdm(total=4, desc="calibrate: load", unit="step") as bar:
         bar.set_postfix_str("target")
         target = ctx.load_target()
+        # drafting after calibrate.context tokens: the whole tree past the last new token
+        positions = c.context + s.tau_new_tokens + configured.tree.max_nodes + configured.lookup + 1
+        if c.context and positions > target.config.max_position_embeddings:
+            raise ValueError(f"calibrate.context={c.context}: drafting {s.tau_new_tokens} tokens after it needs "
+                             f"{positions} positions, more than the target's context of "
+                             f"{target.config.max_position_embeddings}")
+        if c.context and positions > target.max_seq_len:
+            target = ctx.load_target(positions)
         bar.update()
         # KV decode steps and draft budgets are timed in the precision validate and serving run: bf16 verifies a
         # tree at relatively less cost than fp32 where it is fast, which moves the fastest budget
         bar.set_postfix_str(f"target in validate's precision ({v.precision})")
         timed = target if float_dtype(v.precision, target.device) == target.dtype else ctx.load_target(
-            precision=v.precision)
+            max_seq_len=target.max_seq_len, precision=v.precision)
         bar.update()
         bar.set_postfix_str("drafter")
         tensors = load_file(str(distill / "drafter.safetensors"))
@@ -118,15 +151,22 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         return served_drafter(config, module, t, tensors)
 
     rows = calibration_rows(val, c.prompts, c.tokens)
+    # KV schemes and SpecAttn pay off as the context grows: calibrate.context measures them there
+    long_ids, long_probe, dense_tau = None, probe, quant["fp32_tau"]
+    if c.context:
+        long_ids = long_rows(val, c.prompts, c.context)
+        long_probe = ctx.tau_probe(long_prompts(val, prompts, c.context), s.tau_new_tokens)
+        dense_tau = long_probe.measure(target, drafter_on(target, model))["tau"]
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
-        ctx.out, target, drafter_on(target, model), rows, schemes=c.kv_schemes, recent=c.kv_recent,
-        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=probe, dense_tau=quant["fp32_tau"],
-        timed=timed, decode_context=min(c.tokens, timed.max_seq_len - 1),  # rows are cut to c.tokens: may be larger
+        ctx.out, target, drafter_on(target, model), long_ids or rows, schemes=c.kv_schemes, recent=c.kv_recent,
+        tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=long_probe, dense_tau=dense_tau,
+        timed=timed, decode_context=c.context or min(c.tokens, timed.max_seq_len - 1),  # rows may be shorter
         max_slowdown=c.kv_max_slowdown)
     outputs |= kv_outputs
     metrics |= kv_metrics
+    if c.context:
+        message += f"KV and SpecAttn measured at {c.context} tokens of context; "
     message += kv_message + "; "
-    configured, corpus_file = ctx.configured_budget(), ctx.lookup_corpus_file()
     engine_fields = kv_engine_fields(json.loads((ctx.out / KV_QUANT).read_text()))
     if corpus_file is not None:  # the corpus export will ship, so the budget is timed drafting from it
         engine_fields["lookup_corpus"] = load_corpus(corpus_file, configured.lookup)
@@ -141,7 +181,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     if kind.attends:
         spec_outputs, spec_metrics, spec_message = calibrate_specattn(
             ctx.out, target, kind, model, drafter_on(target, model), rows, dense_first=c.dense_first, top_p=c.top_p,
-            ppl_tolerance=c.ppl_tolerance, probe=probe)
+            ppl_tolerance=c.ppl_tolerance, probe=long_probe, long_ids=long_ids)
         outputs |= spec_outputs
         metrics |= spec_metrics
         message += spec_message

@@ -42,6 +42,10 @@ class EngineConfig:
     ema_decay: float = 0.7  # weight of the past in the moving average of accepted tokens per step
     warmup_steps: int = 8  # speculative steps before the fallback rule may fire
     fallback_tau: float = 1.3  # below this average of tokens per target forward, decode plainly
+    # after warmup_steps speculative steps, time one plain decode step, and decode plainly from then on once
+    # speculation commits fewer tokens a second than that step does: at a long context a verify costs more than a
+    # decode. Served engines check; a batched engine decides by batch size instead (runtime.batch_budget).
+    speed_check: bool = False
     sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
     kv_scheme: str | None = None  # quantised KV history (runtime.quant_kv_cache): int8 | int4 | hier-int4
     kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
@@ -199,7 +203,9 @@ class Engine:
             if isinstance(cache, QuantizedKVCache):  # one quantisation boundary per verify keeps it lossless
                 room = min(room, cache.exact_depth())
             tree = DraftTree.empty(device)
-            if speculating and room > 0:
+            probe = speculating and stats.probing()  # a plain step, timed against speculation
+            step_s = 0.0
+            if speculating and room > 0 and not probe:
                 tree = drafter.propose(stats.budget(room), params, generator)
                 if len(tree) > room:
                     raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
@@ -210,7 +216,8 @@ class Engine:
                     tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room)), params), limit=cap)
                 if len(tree) > cap:  # greedy only: max_tree
                     tree = tree.best(cap)
-                stats.draft_s += clock.lap()
+                step_s += clock.lap()
+                stats.draft_s += step_s
 
             # the verify's inputs in one copy from the host: tokens, positions and (with a tree) the ancestor mask
             depths = [0] + tree.depth_list()
@@ -229,12 +236,15 @@ class Engine:
                 logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers, features=self.features)
             stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
-            stats.verify_s += clock.lap()
+            verify_s = clock.lap()
+            stats.verify_s += verify_s
 
             rows = [0] + [i + 1 for i in verdict.accepted]  # the root's and the accepted nodes' slots
             cache.compact(rows)
             n_cached += len(rows)
-            stats.rollback_s += clock.lap()
+            rollback_s = clock.lap()
+            stats.rollback_s += rollback_s
+            step_s += verify_s + rollback_s
 
             committed = [tree.host_lists().tokens[i] for i in verdict.accepted] + [verdict.next_token]
             if speculating:  # the committed tokens and their rows, one copy to the device
@@ -242,8 +252,11 @@ class Engine:
                 drafter.commit(moved[0], self._features(hidden[0].index_select(0, moved[1])))
                 if lookup is not None:
                     lookup.commit(torch.tensor(committed))
-                stats.draft_s += clock.lap()
+                commit_s = clock.lap()
+                stats.draft_s += commit_s
+                step_s += 0.0 if probe else commit_s  # plain decoding would not keep the drafter in step
             stats.record(tree, verdict.accepted)
+            stats.time_step(tree, len(committed), step_s, probe)
             if speculating and stats.should_fall_back():
                 speculating = False
             out += committed
@@ -323,6 +336,10 @@ class _Stats:
         self.ema_accepted = float(cfg.budget.depth)  # optimistic start: draft fully until evidence says not to
         self.fallback_step: int | None = None
         self.kv_reads = self.kv_dense_reads = 0
+        # EngineConfig.speed_check: seconds and tokens of the drafted steps after the first (which also runs the
+        # drafter over the prompt), and the seconds of one plain step
+        self.spec_s, self.spec_tokens = 0.0, 0
+        self.plain_step_s: float | None = None
 
     def budget(self, room: int) -> DraftBudget:
         b, cfg = self.cfg.budget, self.cfg
@@ -357,9 +374,24 @@ class _Stats:
         self.kv_reads += reads
         self.kv_dense_reads += dense
 
+    def probing(self) -> bool:
+        """Whether the next step is the plain one timed against speculation (EngineConfig.speed_check)."""
+        return self.cfg.speed_check and self.plain_step_s is None and self.spec_steps >= max(self.cfg.warmup_steps, 2)
+
+    def time_step(self, tree: DraftTree, tokens: int, seconds: float, probe: bool) -> None:
+        """A step's seconds, after record(): the probe's, or a drafted step's and the tokens it committed."""
+        if probe:
+            self.plain_step_s = seconds
+        elif len(tree) and self.spec_steps > 1:
+            self.spec_s += seconds
+            self.spec_tokens += tokens
+
     def should_fall_back(self) -> bool:
         cfg = self.cfg
-        if cfg.adaptive and self.spec_steps >= cfg.warmup_steps and 1 + self.ema_accepted < cfg.fallback_tau:
+        poor = cfg.adaptive and self.spec_steps >= cfg.warmup_steps and 1 + self.ema_accepted < cfg.fallback_tau
+        slower = self.plain_step_s is not None and self.spec_tokens > 0 and \
+            self.spec_s / self.spec_tokens > self.plain_step_s
+        if poor or slower:
             self.fallback_step = self.forwards
             return True
         return False

@@ -96,8 +96,8 @@ def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fall
     graphed = target.device.type == "cuda" if graphed is None else graphed
     new_drafter = lambda: build_drafter(bundle, target, max_seq_len)  # noqa: E731
 
-    def eager(b: ServedBudget) -> EngineConfig:
-        return EngineConfig(max_seq_len=max_seq_len, **bundle.engine_fields(b, specattn_top_p))
+    def eager(b: ServedBudget) -> EngineConfig:  # speculation that would lose to plain decoding stops
+        return EngineConfig(max_seq_len=max_seq_len, speed_check=True, **bundle.engine_fields(b, specattn_top_p))
 
     def config(b: ServedBudget) -> EngineConfig:
         return static_verify_config(eager(b))[0] if graphed else eager(b)

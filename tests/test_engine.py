@@ -1,5 +1,7 @@
 import json
+import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -140,6 +142,39 @@ def test_useless_drafter_falls_back_to_plain_decoding(target):
     m = gen.metrics
     assert m.fell_back and m.fallback_step is not None and 4 <= m.fallback_step < 39
     assert m.draft_nodes <= 3 * m.fallback_step and m.acceptance_by_depth[0] == 0.0
+
+
+class SlowOracle(NoisyOracle):
+    """Always right, but each proposal takes `delay_s`."""
+
+    def __init__(self, vocab_size, reference, delay_s):
+        super().__init__(vocab_size, reference, p_right=1.0, width=1, seed=0)
+        self.delay_s, self.proposals = delay_s, 0
+
+    def propose(self, budget, params, generator=None):
+        self.proposals += 1
+        time.sleep(self.delay_s)
+        return super().propose(budget, params, generator)
+
+
+@pytest.mark.parametrize("slowdown", [0, 3], ids=["fast", "slow"])
+def test_speed_check_times_one_plain_step_and_stops_speculation_that_loses_to_it(target, slowdown):
+    """A drafter whose 7 tokens a step cost `slowdown` plain decode steps each: speculation loses at 3."""
+    reference = greedy_reference(target, PROMPT, 80)
+    want = reference[len(PROMPT):len(PROMPT) + 60]
+    plain = Engine(target, None, EngineConfig(max_seq_len=96)).generate(PROMPT, 60).metrics
+    step_s = plain.verify_s / plain.target_forwards
+    cfg = EngineConfig(max_seq_len=96, budget=DraftBudget(depth=6), adaptive=False, warmup_steps=4, speed_check=True)
+    drafter = SlowOracle(target.config.vocab_size, reference, 7 * slowdown * step_s)
+    gen = Engine(target, drafter, cfg).generate(PROMPT, 60)
+    assert gen.tokens == want
+    m = gen.metrics
+    # four drafted steps, then the plain one timed against them
+    assert m.fell_back == (slowdown > 0) and m.fallback_step == (5 if slowdown else None)
+    assert drafter.proposals == (4 if slowdown else m.target_forwards - 1)
+    off = SlowOracle(target.config.vocab_size, reference, 7 * slowdown * step_s)  # unchecked, it drafts to the end
+    gen = Engine(target, off, replace(cfg, speed_check=False)).generate(PROMPT, 60)
+    assert gen.tokens == want and not gen.metrics.fell_back and off.proposals == gen.metrics.target_forwards
 
 
 def test_adaptive_depth_follows_acceptance(target):

@@ -42,9 +42,10 @@ class EngineConfig:
     ema_decay: float = 0.7  # weight of the past in the moving average of accepted tokens per step
     warmup_steps: int = 8  # speculative steps before the fallback rule may fire
     fallback_tau: float = 1.3  # below this average of tokens per target forward, decode plainly
-    # after warmup_steps speculative steps, time one plain decode step, and decode plainly from then on once
-    # speculation commits fewer tokens a second than that step does: at a long context a verify costs more than a
-    # decode. Served engines check; a batched engine decides by batch size instead (runtime.batch_budget).
+    # after warmup_steps speculative steps, time one plain decode step; while speculation commits fewer tokens a
+    # second than that, pause it for warmup_steps plain steps, twice as many after each pause (at a long context a
+    # verify costs more than a decode, yet a reply may turn predictable later). Served engines check; a batched
+    # engine decides by batch size instead (runtime.batch_budget).
     speed_check: bool = False
     sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
     kv_scheme: str | None = None  # quantised KV history (runtime.quant_kv_cache): int8 | int4 | hier-int4
@@ -118,7 +119,8 @@ class Metrics:
     total_s: float
     tokens_per_s: float  # new tokens / total_s (prefill included)
     fell_back: bool
-    fallback_step: int | None  # target forward at which speculation stopped
+    fallback_step: int | None  # target forward at which speculation first stopped or paused
+    plain_steps: int  # steps decoded plainly while speculating (EngineConfig.speed_check: its timed step, pauses)
     kv_saved: float  # share of the decode/verify forwards' KV reads (layers x kv heads x keys) sparsity skipped
 
     @property
@@ -203,9 +205,9 @@ class Engine:
             if isinstance(cache, QuantizedKVCache):  # one quantisation boundary per verify keeps it lossless
                 room = min(room, cache.exact_depth())
             tree = DraftTree.empty(device)
-            probe = speculating and stats.probing()  # a plain step, timed against speculation
+            plain = speculating and stats.plain_next()  # timed against speculation, or a pause
             step_s = 0.0
-            if speculating and room > 0 and not probe:
+            if speculating and room > 0 and not plain:
                 tree = drafter.propose(stats.budget(room), params, generator)
                 if len(tree) > room:
                     raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
@@ -254,9 +256,10 @@ class Engine:
                     lookup.commit(torch.tensor(committed))
                 commit_s = clock.lap()
                 stats.draft_s += commit_s
-                step_s += 0.0 if probe else commit_s  # plain decoding would not keep the drafter in step
+                step_s += 0.0 if plain else commit_s  # plain decoding alone would not keep the drafter in step
             stats.record(tree, verdict.accepted)
-            stats.time_step(tree, len(committed), step_s, probe)
+            if speculating:
+                stats.time_step(tree, len(committed), step_s, plain)
             if speculating and stats.should_fall_back():
                 speculating = False
             out += committed
@@ -336,10 +339,11 @@ class _Stats:
         self.ema_accepted = float(cfg.budget.depth)  # optimistic start: draft fully until evidence says not to
         self.fallback_step: int | None = None
         self.kv_reads = self.kv_dense_reads = 0
-        # EngineConfig.speed_check: seconds and tokens of the drafted steps after the first (which also runs the
-        # drafter over the prompt), and the seconds of one plain step
-        self.spec_s, self.spec_tokens = 0.0, 0
+        # EngineConfig.speed_check: the drafted steps of the current run of them (seconds and tokens after its first,
+        # which also drafts over what came before), the latest plain step's seconds, and the pause under way
+        self.run_steps, self.run_s, self.run_tokens = 0, 0.0, 0
         self.plain_step_s: float | None = None
+        self.pause_left, self.next_pause, self.plain_steps = 0, max(cfg.warmup_steps, 1), 0
 
     def budget(self, room: int) -> DraftBudget:
         b, cfg = self.cfg.budget, self.cfg
@@ -374,25 +378,36 @@ class _Stats:
         self.kv_reads += reads
         self.kv_dense_reads += dense
 
-    def probing(self) -> bool:
-        """Whether the next step is the plain one timed against speculation (EngineConfig.speed_check)."""
-        return self.cfg.speed_check and self.plain_step_s is None and self.spec_steps >= max(self.cfg.warmup_steps, 2)
+    def plain_next(self) -> bool:
+        """EngineConfig.speed_check: whether the next step decodes plainly, to time it or to pause speculation."""
+        warm = self.run_steps >= max(self.cfg.warmup_steps, 2)
+        return self.cfg.speed_check and (self.pause_left > 0 or warm and self.plain_step_s is None)
 
-    def time_step(self, tree: DraftTree, tokens: int, seconds: float, probe: bool) -> None:
-        """A step's seconds, after record(): the probe's, or a drafted step's and the tokens it committed."""
-        if probe:
+    def time_step(self, tree: DraftTree, tokens: int, seconds: float, plain: bool) -> None:
+        """A step's seconds and the tokens it committed, after record(); a drafted run that commits fewer tokens a
+        second than the latest plain step pauses, a pause twice as long as the one before."""
+        if plain:
+            self.plain_steps += 1
             self.plain_step_s = seconds
-        elif len(tree) and self.spec_steps > 1:
-            self.spec_s += seconds
-            self.spec_tokens += tokens
+            if self.pause_left:
+                self.pause_left -= 1
+                if not self.pause_left:  # a fresh run of drafted steps
+                    self.run_steps, self.run_s, self.run_tokens = 0, 0.0, 0
+        elif len(tree):
+            self.run_steps += 1
+            if self.run_steps > 1:
+                self.run_s += seconds
+                self.run_tokens += tokens
+        losing = self.plain_step_s is not None and self.run_tokens > 0 and not self.pause_left and \
+            self.run_steps >= self.cfg.warmup_steps and self.run_s / self.run_tokens > self.plain_step_s
+        if losing:
+            self.pause_left, self.next_pause = self.next_pause, 2 * self.next_pause
+            self.fallback_step = self.fallback_step or self.forwards
 
     def should_fall_back(self) -> bool:
         cfg = self.cfg
-        poor = cfg.adaptive and self.spec_steps >= cfg.warmup_steps and 1 + self.ema_accepted < cfg.fallback_tau
-        slower = self.plain_step_s is not None and self.spec_tokens > 0 and \
-            self.spec_s / self.spec_tokens > self.plain_step_s
-        if poor or slower:
-            self.fallback_step = self.forwards
+        if cfg.adaptive and self.spec_steps >= cfg.warmup_steps and 1 + self.ema_accepted < cfg.fallback_tau:
+            self.fallback_step = self.fallback_step or self.forwards
             return True
         return False
 
@@ -404,5 +419,5 @@ class _Stats:
             draft_nodes=self.draft_nodes, prefill_s=prefill_s, draft_s=self.draft_s, verify_s=self.verify_s,
             rollback_s=self.rollback_s, rollback_share=self.rollback_s / total_s, total_s=total_s,
             tokens_per_s=new_tokens / total_s,
-            fell_back=self.fallback_step is not None, fallback_step=self.fallback_step,
+            fell_back=self.fallback_step is not None, fallback_step=self.fallback_step, plain_steps=self.plain_steps,
             kv_saved=1 - self.kv_reads / self.kv_dense_reads if self.kv_dense_reads else 0.0)

@@ -149,32 +149,40 @@ class SlowOracle(NoisyOracle):
 
     def __init__(self, vocab_size, reference, delay_s):
         super().__init__(vocab_size, reference, p_right=1.0, width=1, seed=0)
-        self.delay_s, self.proposals = delay_s, 0
+        self.delay_s = delay_s
 
     def propose(self, budget, params, generator=None):
-        self.proposals += 1
         time.sleep(self.delay_s)
         return super().propose(budget, params, generator)
 
 
 @pytest.mark.parametrize("slowdown", [0, 3], ids=["fast", "slow"])
-def test_speed_check_times_one_plain_step_and_stops_speculation_that_loses_to_it(target, slowdown):
-    """A drafter whose 7 tokens a step cost `slowdown` plain decode steps each: speculation loses at 3."""
-    reference = greedy_reference(target, PROMPT, 80)
-    want = reference[len(PROMPT):len(PROMPT) + 60]
-    plain = Engine(target, None, EngineConfig(max_seq_len=96)).generate(PROMPT, 60).metrics
-    step_s = plain.verify_s / plain.target_forwards
-    cfg = EngineConfig(max_seq_len=96, budget=DraftBudget(depth=6), adaptive=False, warmup_steps=4, speed_check=True)
-    drafter = SlowOracle(target.config.vocab_size, reference, 7 * slowdown * step_s)
-    gen = Engine(target, drafter, cfg).generate(PROMPT, 60)
-    assert gen.tokens == want
-    m = gen.metrics
-    # four drafted steps, then the plain one timed against them
+def test_speed_check_times_a_plain_step_and_pauses_speculation_that_loses_to_it(target, slowdown):
+    """A drafter whose 4 tokens a step cost `slowdown` plain decode steps each: speculation loses at 3, and pauses
+    for 4, 8, 16, ... plain steps between runs of 4 drafted ones."""
+    reference = greedy_reference(target, PROMPT, 110)
+    want = reference[len(PROMPT):len(PROMPT) + 100]
+    plain = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 100).metrics
+    delay_s = 4 * slowdown * plain.verify_s / plain.target_forwards
+    cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3), adaptive=False, warmup_steps=4, speed_check=True)
+
+    def run(cfg):
+        engine = Engine(target, SlowOracle(target.config.vocab_size, reference, delay_s), cfg)
+        widths, forward = [], engine.target.forward
+        engine.target.forward = lambda tokens, *a, **k: widths.append(tokens.shape[1]) or forward(tokens, *a, **k)
+        gen = engine.generate(PROMPT, 100)
+        assert gen.tokens == want
+        return gen.metrics, widths  # the prefill runs Transformer.prefill
+
+    m, widths = run(cfg)
+    drafted, timed = [4] * 4, [1]
+    expected = drafted + timed + sum(([1] * 4 * 2 ** i + drafted for i in range(5)), []) if slowdown else \
+        drafted + timed + [4] * 100
+    assert widths[:-1] == expected[:len(widths) - 1]  # the last step drafts only what the reply has room for
     assert m.fell_back == (slowdown > 0) and m.fallback_step == (5 if slowdown else None)
-    assert drafter.proposals == (4 if slowdown else m.target_forwards - 1)
-    off = SlowOracle(target.config.vocab_size, reference, 7 * slowdown * step_s)  # unchecked, it drafts to the end
-    gen = Engine(target, off, replace(cfg, speed_check=False)).generate(PROMPT, 60)
-    assert gen.tokens == want and not gen.metrics.fell_back and off.proposals == gen.metrics.target_forwards
+    assert m.plain_steps == widths.count(1)
+    m, widths = run(replace(cfg, speed_check=False))  # unchecked, it drafts to the end
+    assert not m.fell_back and m.plain_steps == 0 and set(widths[:-1]) == {4}
 
 
 def test_adaptive_depth_follows_acceptance(target):

@@ -88,16 +88,18 @@ def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> l
 def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fallback: ServedBudget = ServedBudget(),
                   budget: ServedBudget | None = None, device_prompt: list[int] | None = None,
                   specattn_top_p: float | None = None, graphed: bool | None = None,
-                  new_tokens: int = NEW_TOKENS) -> ServedEngine:
+                  new_tokens: int = NEW_TOKENS, speed_check: bool = True) -> ServedEngine:
     """The engine `bundle` serves with on `target`'s device. Its budget: `budget` where given, else the one calibrate
     chose (`fallback` for bundles without one); with `device_prompt`, the bundle's device candidate that commits the
     most tokens a second on this device, each timed first on that prompt. `graphed` (default: on CUDA) captures
-    every static step in a CUDA graph."""
+    every static step in a CUDA graph. `speed_check` pauses speculation while it loses to plain decoding
+    (EngineConfig.speed_check); off, the engine measures how far a budget reaches."""
     graphed = target.device.type == "cuda" if graphed is None else graphed
     new_drafter = lambda: build_drafter(bundle, target, max_seq_len)  # noqa: E731
 
-    def eager(b: ServedBudget) -> EngineConfig:  # speculation that would lose to plain decoding stops
-        return EngineConfig(max_seq_len=max_seq_len, speed_check=True, **bundle.engine_fields(b, specattn_top_p))
+    def eager(b: ServedBudget) -> EngineConfig:
+        fields = bundle.engine_fields(b, specattn_top_p)
+        return EngineConfig(max_seq_len=max_seq_len, speed_check=speed_check, **fields)
 
     def config(b: ServedBudget) -> EngineConfig:
         return static_verify_config(eager(b))[0] if graphed else eager(b)

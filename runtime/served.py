@@ -68,19 +68,21 @@ class ServedEngine:
         return BatchEngine(self.engine.target, self.new_drafter, cfg, max_batch, policy), note
 
 
-def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> list[tuple[ServedBudget, float]]:
-    """Up to `most` of calibrate's fixed sweep budgets (rows with tau) that verify fewer rows than `budget`, for a
-    growing batch: the best tau among those verifying at most 1/2, 1/4, ... of its rows, down to a single node."""
+def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> list[tuple[ServedBudget, float | None]]:
+    """Up to `most` budgets for a growing batch, verifying at most 1/2, 1/4, ... of `budget`'s rows down to a single
+    node: at each limit the best tau among calibrate's fixed sweep budgets (rows with tau) that fit, else `budget`
+    cut to that many nodes, its greedy rows keeping their likeliest (DraftTree.best; its tau is then measured where
+    the batch policy times it)."""
     def rows(b: ServedBudget) -> int:
         n = b.tree.max_nodes + b.lookup
         return min(n, b.max_tree) if b.max_tree else n
 
     fixed = [(ServedBudget.from_dict(r), r["tau"]) for r in sweep if not r.get("adaptive") and "tau" in r]
-    out, limit = [], rows(budget) // 2
+    out: list[tuple[ServedBudget, float | None]] = []
+    limit = rows(budget) // 2
     while limit >= 1 and len(out) < most:
         fits = [c for c in fixed if rows(c[0]) <= limit and c not in out]
-        if fits:
-            out.append(max(fits, key=lambda c: c[1]))
+        out.append(max(fits, key=lambda c: c[1]) if fits else (replace(budget, max_tree=limit), None))
         limit //= 2
     return out
 

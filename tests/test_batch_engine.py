@@ -18,6 +18,7 @@ from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.sampling import SamplingParams
+from runtime.served import smaller_budgets
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 from train.recipes.medusa import build_medusa
@@ -214,6 +215,20 @@ def test_measured_policy_keeps_the_fastest_option_at_each_batch_size(target):
             (b for b, _ in candidates if b.spec == best["budget"]), None)
         assert r["options"][2]["tau"] == 1.5 and r["options"][2]["calibrated_tau"]
         assert r["options"][0]["budget"] is None and all(o["step_ms"] > 0 for o in r["options"])
+
+
+def test_a_growing_batch_drafts_within_the_sweeps_smaller_budgets_or_the_served_one_cut():
+    served = ServedBudget(DraftBudget(1, 3, 3), lookup=16, max_tree=5)  # verifies at most 5 nodes
+    chain2, single = ServedBudget(DraftBudget(2, 1, 2)), ServedBudget(DraftBudget(1, 1, 1))
+    sweep = [{**chain2.to_dict(), "tau": 1.6}, {**single.to_dict(), "tau": 1.4},
+             {**ServedBudget(DraftBudget(1, 2, 2)).to_dict(), "tau": 1.5},
+             {**ServedBudget(DraftBudget(1), adaptive=True).to_dict(), "tau": 1.9},  # adaptive: not fixed
+             {**ServedBudget(DraftBudget(1, 1, 1), lookup=2).to_dict()}]  # predicted, never timed: no tau
+    assert smaller_budgets(served, sweep) == [(chain2, 1.6), (single, 1.4)]  # at most 2 nodes, then 1
+    cut = lambda n: (ServedBudget(DraftBudget(1, 3, 3), lookup=16, max_tree=n), None)  # noqa: E731
+    assert smaller_budgets(served, sweep[:1]) == [(chain2, 1.6), cut(1)]
+    assert smaller_budgets(served, []) == [cut(2), cut(1)]
+    assert smaller_budgets(ServedBudget(DraftBudget(1)), sweep) == []  # one node: nothing smaller
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])

@@ -25,7 +25,8 @@ from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, write_json_atomic
 from pipeline.runstore import StageResult
 from pipeline.stages import StageContext
-from runtime.engine import Engine, Metrics
+from runtime.decode_stats import Metrics
+from runtime.engine import Engine
 from runtime.sampling import SamplingParams
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"

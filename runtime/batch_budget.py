@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from runtime.batch_engine import BatchEngine, BatchRequest
 from runtime.budget import BatchPolicy, ServedBudget
+from runtime.decode_stats import tokens_per_forward
 from runtime.drafter import Drafter
-from runtime.engine import EngineConfig, tokens_per_forward
+from runtime.engine import EngineConfig
 from runtime.model import Transformer
 
 NEW_TOKENS = 32  # tokens each row of a timing run generates

@@ -30,8 +30,9 @@ import torch
 from runtime.batch_drafter import batch_drafter
 from runtime.budget import BatchPolicy, DraftBudget, ServedBudget
 from runtime.cuda_graphs import StaticVerifier
+from runtime.decode_stats import Clock, DecodeStats
 from runtime.drafter import Drafter
-from runtime.engine import EngineConfig, Generation, _Clock, _Stats, check_request
+from runtime.engine import EngineConfig, Generation, check_request
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
@@ -56,7 +57,7 @@ class _Row:
     out: list[int]
     n_cached: int  # the row's cache length, kept on the host
     speculating: bool
-    stats: _Stats
+    stats: DecodeStats
     started: float
     prefill_s: float
     lookup: NgramDrafter | None
@@ -153,7 +154,7 @@ class BatchEngine:
         if n == 0:
             return done
         start = time.perf_counter()
-        clock = _Clock(self.target.device)
+        clock = Clock(self.target.device)
         rows = self.rows[:n]
         budget = self.policy.at(n) if self.drafter is not None else None
         trees = self._draft(rows, budget)
@@ -252,7 +253,7 @@ class BatchEngine:
 
     def _admit(self, b: int, request: BatchRequest) -> dict[Hashable, Generation]:
         """Prefill `request` alone into row b; a request that ends at its first token finishes here."""
-        start, clock = time.perf_counter(), _Clock(self.target.device)
+        start, clock = time.perf_counter(), Clock(self.target.device)
         device, n = self.target.device, len(request.prompt)
         view = self.cache.row(b)
         view.lengths.zero_()
@@ -262,7 +263,7 @@ class BatchEngine:
         view.advance(n)
         root = verify(DraftTree.empty(device), logits[0], request.params, request.generator).next_token
         greedy_lookup = self.lookup_depth and request.params.greedy
-        row = _Row(request, [root], n, self.drafter is not None, _Stats(self.cfg), start, 0.0,
+        row = _Row(request, [root], n, self.drafter is not None, DecodeStats(self.cfg), start, 0.0,
                    NgramDrafter(self.target.config.vocab_size, max_depth=self.lookup_depth,
                                 corpus=self.cfg.lookup_corpus) if greedy_lookup else None)
         self.rows[b] = row

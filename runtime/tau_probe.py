@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 from runtime.attention import SpecAttnConfig
 from runtime.budget import DraftBudget
+from runtime.decode_stats import tokens_per_forward
 from runtime.drafter import Drafter
-from runtime.engine import Engine, EngineConfig, tokens_per_forward
+from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.quant_kv_cache import KVQuant

@@ -17,7 +17,7 @@ from pipeline.sources import resolve_target, target_fingerprint
 from runtime.tokens import stop_ids
 from runtime.budget import ServedBudget
 from runtime.bundle import read_bundle
-from runtime.engine import tokens_per_forward
+from runtime.decode_stats import tokens_per_forward
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 from runtime.served import served_engine

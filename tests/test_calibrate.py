@@ -21,8 +21,9 @@ from pipeline.runstore import RunStore
 from pipeline.stages import StageContext
 from runtime.attention import SpecAttnConfig
 from runtime.budget import DraftBudget, ServedBudget
+from runtime.decode_stats import tokens_per_forward
 from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
-from runtime.engine import Engine, EngineConfig, tokens_per_forward
+from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
 from runtime.precision import float_dtype

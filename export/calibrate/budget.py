@@ -36,7 +36,8 @@ from tqdm import tqdm
 from export.calibrate.predict import could_win, predict_budgets
 from export.calibrate.replay import reference
 from runtime.budget import DraftBudget, ServedBudget
-from runtime.engine import Engine, EngineConfig, tokens_per_forward
+from runtime.decode_stats import tokens_per_forward
+from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.sampling import SamplingParams
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine import Engine, tokens_per_forward
+from runtime.decode_stats import tokens_per_forward
+from runtime.engine import Engine
 from runtime.kv_cache import KVCache
 from runtime.model import Taps, Transformer
 from runtime.sampling import SamplingParams

@@ -14,7 +14,8 @@ import torch
 
 from pipeline.bench.harness import Speculation, device_name, interleaved
 from runtime.batch_engine import BatchEngine, BatchRequest
-from runtime.engine import Engine, EngineConfig, tokens_per_forward
+from runtime.decode_stats import tokens_per_forward
+from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
 from runtime.served import batch_config
 from runtime.tokens import encode, stop_ids

@@ -18,10 +18,11 @@ from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
 from runtime.attention import pick_backend
+from runtime.decode_stats import tokens_per_forward
 from runtime.device import synchronizer
 from runtime.device_budget import describe
 from runtime.drafter import Drafter
-from runtime.engine import Engine, EngineConfig, Generation, tokens_per_forward
+from runtime.engine import Engine, EngineConfig, Generation
 from runtime.model import ModelConfig, Transformer, context_error
 from runtime.sampling import SamplingParams
 from runtime.served import ServedEngine, static_verify_config

@@ -32,7 +32,7 @@ from runtime.budget import BatchPolicy, DraftBudget, ServedBudget
 from runtime.cuda_graphs import StaticVerifier
 from runtime.decode_stats import Clock, DecodeStats
 from runtime.drafter import Drafter
-from runtime.engine import EngineConfig, Generation, check_request
+from runtime.engine import EngineConfig, Generation, check_request, prompt_window
 from runtime.kv_cache import KVCache
 from runtime.model import Transformer
 from runtime.ngram import NgramDrafter
@@ -269,7 +269,7 @@ class BatchEngine:
         self.rows[b] = row
         if not row.done and self.drafter is not None:
             sequence = torch.tensor(request.prompt + [root], device=device)
-            self.drafter.reset(b, sequence, self._features(hidden[0]))
+            self.drafter.reset(b, *prompt_window(sequence, self._features(hidden[0]), self.cfg.draft_window))
             if row.lookup is not None:
                 row.lookup.reset(sequence.cpu())
         row.prefill_s = clock.lap()

@@ -65,6 +65,10 @@ class EngineConfig:
     # (DraftTree.best); 0: no limit. Where a verify's cost grows in steps (our CPU kernel's 6-row tiles), a tree
     # that fills its last step beats one that spills into the next.
     max_tree: int = 0
+    # a drafter reads only the prompt's last draft_window tokens (0: all of them): drafters train on rows of a few
+    # hundred tokens, and their first pass over a long prompt costs more than speculation gains on a short reply.
+    # Not with SpecAttn, which maps the drafter's attention onto every key of the prefix.
+    draft_window: int = 0
 
     def __post_init__(self):
         if not isinstance(self.budget, DraftBudget):
@@ -84,10 +88,13 @@ class EngineConfig:
             KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
         if self.lookup_corpus is not None and not isinstance(self.lookup_corpus, NgramDrafter):
             raise ValueError(f"EngineConfig: lookup_corpus={self.lookup_corpus!r}, expected an NgramDrafter or None")
-        for name in ("lookup", "max_tree"):
+        for name in ("lookup", "max_tree", "draft_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig: {name}={v!r}, expected an int >= 0 (0 = off)")
+        if self.draft_window and self.sparse is not None:
+            raise ValueError(f"EngineConfig: draft_window={self.draft_window} with SpecAttn (sparse), whose drafter "
+                             "attention must cover every key of the prefix: set draft_window=0")
         if self.compile_static and not self.static_verify:
             raise ValueError("EngineConfig: compile_static compiles the static steps, so it needs static_verify=True")
         if self.static_verify and self.kv_scheme is not None:
@@ -156,7 +163,8 @@ class Engine:
         out = [root]
         lookup = self.lookup if params.greedy else None
         if speculating:
-            drafter.reset(torch.tensor(prompt_ids + [root], device=device), None if hidden is None else hidden[0])
+            drafter.reset(*prompt_window(torch.tensor(prompt_ids + [root], device=device),
+                                         None if hidden is None else hidden[0], cfg.draft_window))
             if lookup is not None:
                 lookup.reset(torch.tensor(prompt_ids + [root]))
         prefill_s = clock.lap()
@@ -256,6 +264,15 @@ class Engine:
 
     def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         check_request(prompt_ids, max_new_tokens, self.target.config.vocab_size, self.cfg.max_seq_len)
+
+
+def prompt_window(tokens: torch.Tensor, features: torch.Tensor | None,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a drafter reads of a prompt: its last `window` tokens before the root, the root, and their features
+    (one fewer than the tokens); all of it with window 0."""
+    if not window or tokens.numel() <= window + 1:
+        return tokens, features
+    return tokens[-(window + 1):], None if features is None else features[-window:]
 
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, vocab: int, max_seq_len: int) -> None:

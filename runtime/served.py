@@ -12,9 +12,14 @@ from runtime.budget import BatchPolicy, ServedBudget
 from runtime.bundle import Bundle
 from runtime.device_budget import NEW_TOKENS, choose_on_device
 from runtime.drafter import Drafter
-from runtime.drafters import build_drafter
+from runtime.drafters import build_drafter, get_kind
 from runtime.engine import Engine, EngineConfig
 from runtime.model import Transformer
+
+
+# prompt tokens a trained drafter reads (EngineConfig.draft_window): it learned on rows of at most a few hundred, and
+# reading a long document costs its first proposal seconds (docs/cpu.md); an n-gram drafter reads every token
+DRAFT_WINDOW = 512
 
 
 def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
@@ -99,9 +104,12 @@ def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fall
     graphed = target.device.type == "cuda" if graphed is None else graphed
     new_drafter = lambda: build_drafter(bundle, target, max_seq_len)  # noqa: E731
 
+    window = DRAFT_WINDOW if get_kind(bundle.kind).weighted else 0
+
     def eager(b: ServedBudget) -> EngineConfig:
         fields = bundle.engine_fields(b, specattn_top_p)
-        return EngineConfig(max_seq_len=max_seq_len, speed_check=speed_check, **fields)
+        return EngineConfig(max_seq_len=max_seq_len, speed_check=speed_check,
+                            draft_window=0 if fields.get("sparse") else window, **fields)
 
     def config(b: ServedBudget) -> EngineConfig:
         return static_verify_config(eager(b))[0] if graphed else eager(b)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
 
+from runtime.attention import SpecAttnConfig
 from runtime.batch_budget import batch_sizes, measure_policy
 from runtime.batch_engine import BatchEngine, BatchRequest
 from runtime.budget import BatchPolicy, DraftBudget, ServedBudget
@@ -215,6 +216,29 @@ def test_measured_policy_keeps_the_fastest_option_at_each_batch_size(target):
             (b for b, _ in candidates if b.spec == best["budget"]), None)
         assert r["options"][2]["tau"] == 1.5 and r["options"][2]["calibrated_tau"]
         assert r["options"][0]["budget"] is None and all(o["step_ms"] > 0 for o in r["options"])
+
+
+def test_a_draft_window_hands_a_drafter_only_the_prompts_last_tokens(target):
+    seen = []
+
+    class Recording(NoisyOracle):
+        def reset(self, tokens, features):
+            seen.append((tokens.tolist(), features.shape[0]))
+            super().reset(tokens, features)
+
+    def new():
+        return Recording(target.config.vocab_size, [], p_right=0.0, width=1, seed=0)
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]  # 13, 6 and 4 tokens: the last fits a window of 4 whole
+    want = batch1(target, prompts, [10] * 3)
+    cfg = EngineConfig(max_seq_len=100, budget=DraftBudget(2), draft_window=4)
+    out = BatchEngine(target, new, cfg, max_batch=3).generate([BatchRequest(i, p, 10) for i, p in enumerate(prompts)])
+    assert [g.tokens for g in out] == want
+    assert Engine(target, new(), cfg).generate(prompts[0], 10).tokens == want[0]
+    read = [(p[-4:] + [w[0]], min(len(p), 4)) for p, w in zip(prompts + prompts[:1], want + want[:1])]
+    assert sorted(seen) == sorted(read)
+    with pytest.raises(ValueError, match=r"draft_window=4 with SpecAttn"):
+        EngineConfig(draft_window=4, sparse=SpecAttnConfig((-1, 0), top_p=0.5))
 
 
 def test_a_growing_batch_drafts_within_the_sweeps_smaller_budgets_or_the_served_one_cut():

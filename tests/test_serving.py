@@ -134,6 +134,7 @@ def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tm
     cpu = served_engine(bundle, target, 256).engine.cfg  # on the CPU: as calibrated
     assert (cpu.kv_scheme, cpu.static_verify, cpu.lookup, cpu.budget) == ("int8", False, 8, DraftBudget(2, 3, 6))
     assert cpu.speed_check and not served_engine(bundle, target, 256, speed_check=False).engine.cfg.speed_check
+    assert cpu.draft_window == 0  # an n-gram drafter reads every prompt token
     gpu = served_engine(bundle, target, 256, graphed=True).engine.cfg  # what a CUDA target gets
     assert (gpu.kv_scheme, gpu.static_verify, gpu.lookup, gpu.budget) == (None, True, 8, DraftBudget(2, 3, 6))
     monkeypatch.delenv(DEVICE_ENV, raising=False)

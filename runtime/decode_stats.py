@@ -52,7 +52,6 @@ def tokens_per_forward(new_tokens: int, generations: int, forwards: int) -> floa
     return (new_tokens - generations) / forwards if forwards else 1.0
 
 
-
 class Clock:
     """Wall-clock laps; waits for the device so a lap is charged to the phase that queued the work."""
 
@@ -72,7 +71,7 @@ class Clock:
 
 
 class DecodeStats:
-    """Counters of one generation, and the adaptive draft depth / fallback rule that reads them."""
+    """Counters of one generation, and the adaptive draft depth, fallback rule and speed check that read them."""
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg

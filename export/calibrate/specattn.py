@@ -183,28 +183,23 @@ def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, 
 
 def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model: nn.Module, drafter: Drafter,
                        ids: list[torch.Tensor], *, dense_first: int, top_p: list[float], ppl_tolerance: float,
-                       probe: TauProbe, long_ids: list[torch.Tensor] | None = None
+                       probe: TauProbe, dense_tau: float, long_ids: list[torch.Tensor] | None = None
                        ) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes layer_map.json/.png, sparsity.json/.png and specattn.json (the chosen settings, top_p 1.0 = dense
-    when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message). With
-    `long_ids` (calibrate.context) the top-p sweep reads those rows, and `probe` should draft at that context too;
-    the layer map and the ceiling, which hold every target layer's attention, stay on `ids`."""
+    when no top_p keeps the perplexity within tolerance) to `out`; returns (outputs, metrics, message). `dense_tau`:
+    the drafter's tau by `probe` verifying densely. With `long_ids` (calibrate.context) the top-p sweep reads those
+    rows, and `probe` should draft at that context too; the layer map and the ceiling, which hold every target
+    layer's attention, stay on `ids`."""
     rows = [calibration_row(target, kind, model, r) for r in progress(ids, "layer map rows", "row")]
     S, layer_map = fit_layer_map(rows, dense_first)
     settings = SpecAttnConfig(layer_map.mapping, DENSE_P, layer_map.dense_first)
     swept = rows if long_ids is None else [calibration_row(target, kind, model, r, target_attention=False)
                                            for r in progress(long_ids, "long-context rows", "row")]
     dense_ppl = perplexity([r.dense_nll for r in swept])
-    sweep, bar = [], tqdm(total=1 + len(top_p), desc="calibrate: SpecAttn top-p sweep", unit="top-p")
-    bar.set_postfix_str("dense")
-    dense_tau = probe.measure(target, drafter)["tau"]
-    for p in sorted(top_p):
-        bar.update()
-        bar.set_postfix_str(f"top-p {p}")
+    sweep = []
+    for p in progress(sorted(top_p), "SpecAttn top-p sweep", "top-p"):
         sparse = SpecAttnConfig(layer_map.mapping, p, layer_map.dense_first)
         sweep.append(measure_top_p(target, drafter, swept, sparse, dense_ppl, dense_tau, probe))
-    bar.update()
-    bar.close()
     chosen = choose_top_p(sweep, ppl_tolerance)
     rows_ppl = dense_ppl if swept is rows else perplexity([r.dense_nll for r in rows])
     ceiling = [measure_ceiling(target, rows, p, layer_map.dense_first, rows_ppl)

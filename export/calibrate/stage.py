@@ -151,7 +151,8 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         return served_drafter(config, module, t, tensors)
 
     rows = calibration_rows(val, c.prompts, c.tokens)
-    # KV schemes and SpecAttn pay off as the context grows: calibrate.context measures them there
+    # KV schemes and SpecAttn pay off as the context grows: calibrate.context measures them there. Both compare
+    # with the drafter's dense tau by their probe: fp32_tau is that of the short one
     long_ids, long_probe, dense_tau = None, probe, quant["fp32_tau"]
     if c.context:
         long_ids = long_rows(val, c.prompts, c.context)
@@ -181,7 +182,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     if kind.attends:
         spec_outputs, spec_metrics, spec_message = calibrate_specattn(
             ctx.out, target, kind, model, drafter_on(target, model), rows, dense_first=c.dense_first, top_p=c.top_p,
-            ppl_tolerance=c.ppl_tolerance, probe=long_probe, long_ids=long_ids)
+            ppl_tolerance=c.ppl_tolerance, probe=long_probe, dense_tau=dense_tau, long_ids=long_ids)
         outputs |= spec_outputs
         metrics |= spec_metrics
         message += spec_message

@@ -1,5 +1,5 @@
 """tau (tokens per target forward) of a SmolLM2-135M-Instruct bundle on a prompt file for each draft budget: what a
-bigger verify buys.
+bigger verify buys. The speed check is off: it measures how far each budget reaches, as validate does.
 tau does not depend on the device in fp32 greedy decoding, so this CPU run tells a GPU, where a verify of 16-32
 tokens costs little more than one of 5, which budgets to time there (pipeline.bench.step_costs has the costs).
 
@@ -35,7 +35,7 @@ def main(bundle_dir: str, prompts_file: str, *budgets: str) -> None:
     max_len = max(map(len, prompts)) + NEW_TOKENS + 80
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32, max_seq_len=max_len)
     for spec in budgets:
-        engine = served_engine(bundle, target, max_len, budget=ServedBudget.parse(spec)).engine
+        engine = served_engine(bundle, target, max_len, budget=ServedBudget.parse(spec), speed_check=False).engine
         new = forwards = nodes = 0
         start = time.perf_counter()
         for ids in prompts:

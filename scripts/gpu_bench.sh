@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
+# BUNDLE may name several, space-separated (e.g. an eagle and an eagle3 run's bundles on the same data): each is
+# benched side by side into real_bf16_<run id>.json;
 # FLASHINFER_WHEELS=dir of wheels (flashinfer-python, apache-tvm-ffi, einops) to try the flashinfer backend (QUICK too);
 # with TARGET/BUNDLE, SPECATTN_TOP_P=p to time SpecAttn sparse verification through sdpa and through triton_sparse;
 # BUDGET=DxW/N+L@T: the real-bundle run again with that draft budget (a GPU affords bigger verifies than calibrate's),
@@ -45,17 +47,20 @@ python3 -m pipeline.bench.random_weights --random-weights smollm2-135m --dtype f
 python3 -m pipeline.bench.random_weights --random-weights llama3-8b --dtype bfloat16 --max-new-tokens 128 --compile \
   --out "$OUT/llama3_8b_bf16.json"
 if [ -n "$TARGET" ] && [ -n "$BUNDLE" ]; then
-  python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
-    ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --out "$OUT/real_bf16.json"
-  if [ -n "$BUDGET" ]; then
-    python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" --device cuda --dtype bfloat16 \
-      ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --budget "$BUDGET" \
-      --out "$OUT/real_bf16_budget.json"
-  fi
-  for backend in ${SPECATTN_TOP_P:+sdpa triton_sparse}; do
-    DRAFTSMITH_ATTENTION_BACKEND=$backend python3 -m pipeline.cli bench --target "$TARGET" --drafter "$BUNDLE" \
-      --device cuda --dtype bfloat16 ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 \
-      --specattn-top-p "$SPECATTN_TOP_P" --out "$OUT/real_bf16_specattn_$backend.json"
+  for bundle in $BUNDLE; do
+    run=$(basename "$(dirname "$(dirname "$bundle")")")  # runs/<id>/export/bundle -> <id>
+    python3 -m pipeline.cli bench --target "$TARGET" --drafter "$bundle" --device cuda --dtype bfloat16 \
+      ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --out "$OUT/real_bf16_$run.json"
+    if [ -n "$BUDGET" ]; then
+      python3 -m pipeline.cli bench --target "$TARGET" --drafter "$bundle" --device cuda --dtype bfloat16 \
+        ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 --compile --budget "$BUDGET" \
+        --out "$OUT/real_bf16_budget_$run.json"
+    fi
+    for backend in ${SPECATTN_TOP_P:+sdpa triton_sparse}; do
+      DRAFTSMITH_ATTENTION_BACKEND=$backend python3 -m pipeline.cli bench --target "$TARGET" --drafter "$bundle" \
+        --device cuda --dtype bfloat16 ${PROMPTS:+--prompts "$PROMPTS"} --max-new-tokens 128 \
+        --specattn-top-p "$SPECATTN_TOP_P" --out "$OUT/real_bf16_specattn_${backend}_$run.json"
+    done
   done
 fi
 } 2>&1 | tee "$OUT/all.log"

@@ -1,6 +1,8 @@
 """The eagle3 drafter kind on a tiny 8-layer target: it learns and stays lossless through the bundle, drafts the same
 trees at static shapes, reads the residual streams the engine taps (eager and static verify), trains on the same
 features offline and online, exports its ONNX step, and refuses a bundle made for a target of another depth."""
+import copy
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from train.batches import Batches
 from train.recipes import get_recipe
 from train.target_outputs import target_features
 from train.trainer import TrainSpec, train
+from train.ttt import unroll
 
 LAYERS, VOCAB = 8, 96
 
@@ -57,14 +60,22 @@ def random_eagle3(target):
     return randomised(target)  # drafters prepack it for the CPU: tests that export build their own
 
 
-def test_eagle3_learns_and_stays_lossless_through_its_bundle(target, rows, tmp_path):
-    keep = torch.arange(0, VOCAB)
+@pytest.fixture(scope="module")
+def trained(target, rows, tmp_path_factory) -> tuple[Eagle3Model, list[dict]]:
+    """An eagle3 drafter trained 60 steps on the target's own rows, and its training log."""
     recipe = get_recipe("eagle3")
-    model = recipe.build(target, Settings, Settings, keep)
-    assert model.aux_layers == (2, 4, 5)
+    model = recipe.build(target, Settings, Settings, torch.arange(0, VOCAB))
     history = []
-    train(model, recipe.loss(target, Settings, Settings, keep), Batches(rows, 8, seed=0),
-          TrainSpec(steps=60, lr=3e-3, warmup=2), tmp_path / "ckpt", log=lambda step, m: history.append(m))
+    train(model, recipe.loss(target, Settings, Settings, torch.arange(0, VOCAB)), Batches(rows, 8, seed=0),
+          TrainSpec(steps=60, lr=3e-3, warmup=2), tmp_path_factory.mktemp("ckpt"),
+          log=lambda step, m: history.append(m))
+    return model.eval().requires_grad_(False), history
+
+
+def test_eagle3_learns_and_stays_lossless_through_its_bundle(target, rows, trained, tmp_path):
+    keep = torch.arange(0, VOCAB)
+    model, history = trained
+    assert model.aux_layers == (2, 4, 5)
     assert history[-1]["loss"] < 0.8 * history[0]["loss"] and history[-1]["top1"] > history[0]["top1"] + 0.1
     assert history[0]["feature_loss"] == 0.0  # tokens only: no feature regression
 
@@ -83,6 +94,40 @@ def test_eagle3_learns_and_stays_lossless_through_its_bundle(target, rows, tmp_p
         assert got.tokens == plain.generate(prompt, 30, SamplingParams()).tokens
         taus.append(got.metrics.tau)
     assert sum(taus) / len(taus) > 1.2  # accepted beyond the bonus token
+
+
+def replayed_verifies(model: Eagle3Model, target: Transformer, row: torch.Tensor, prompt_len: int, depth: int) -> int:
+    """Verifies a greedy chain of `depth` takes to commit `row`'s reply when it drafts what the training-time
+    unroll predicts there: after the prefill, pairs up to (x_{j+1}, f_j) are committed with j = prompt_len - 1."""
+    t = target_features(target, {"input_ids": row, "loss_mask": torch.ones_like(row)}, model.aux_layers)
+    with torch.no_grad():
+        drafts = [model.head.keep_ids[model.head(p[0]).argmax(-1)].tolist()
+                  for p in unroll(model, row, t.drafter_input[:, :-1], depth)]
+    tokens, n = row[0].tolist(), row.shape[1]
+    verifies, j = 0, prompt_len - 1
+    while j + 2 < n:
+        accepted = 0
+        while accepted < depth and j + 2 + accepted < n and drafts[accepted][j] == tokens[j + 2 + accepted]:
+            accepted += 1
+        verifies, j = verifies + 1, j + accepted + 1
+    return verifies
+
+
+def test_the_engine_drafts_what_training_unrolls(target, rows, trained):
+    """Replaying the unroll's drafts over the engine's own reply takes exactly the engine's verifies: the engine
+    feeds the drafter the pairs and streams training reads. A stream off by one layer or a pair off by one position
+    only lowers acceptance, which no other check would notice."""
+    model, _ = trained
+    engine = Engine(target, EagleDrafter(copy.deepcopy(model), 256),  # the drafter prepacks its copy
+                    EngineConfig(max_seq_len=256, budget=DraftBudget(3), adaptive=False))
+    new = verifies = 0
+    for i in range(6):
+        prompt = rows.row(i)[0][:6].tolist()
+        out = engine.generate(prompt, 30, SamplingParams())
+        row = torch.tensor(prompt + out.tokens)[None]
+        assert replayed_verifies(model, target, row, len(prompt), 3) == out.metrics.target_forwards
+        new, verifies = new + len(out.tokens) - 1, verifies + out.metrics.target_forwards
+    assert new - verifies >= 12  # accepted drafts: the count is not that of a drafter that never hits
 
 
 def test_a_bundle_for_a_target_of_another_depth_is_refused(target, tiny_model_dir, tmp_path, random_eagle3):

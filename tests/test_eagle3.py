@@ -1,6 +1,7 @@
-"""The eagle3 drafter kind on a tiny 8-layer target: it learns and stays lossless through the bundle, drafts the same
-trees at static shapes, reads the residual streams the engine taps (eager and static verify), trains on the same
-features offline and online, exports its ONNX step, and refuses a bundle made for a target of another depth."""
+"""The eagle3 drafter kind on a tiny 8-layer target: it learns and stays lossless through the bundle, the engine drafts
+what the training unroll predicts, it drafts the same trees at static shapes, reads the residual streams the engine
+taps (eager and static verify), trains on the same features offline and online, exports its ONNX step, and refuses
+a bundle made for a target of another depth."""
 import copy
 
 import pytest
@@ -63,10 +64,10 @@ def random_eagle3(target):
 @pytest.fixture(scope="module")
 def trained(target, rows, tmp_path_factory) -> tuple[Eagle3Model, list[dict]]:
     """An eagle3 drafter trained 60 steps on the target's own rows, and its training log."""
-    recipe = get_recipe("eagle3")
-    model = recipe.build(target, Settings, Settings, torch.arange(0, VOCAB))
+    recipe, keep = get_recipe("eagle3"), torch.arange(0, VOCAB)
+    model = recipe.build(target, Settings, Settings, keep)
     history = []
-    train(model, recipe.loss(target, Settings, Settings, torch.arange(0, VOCAB)), Batches(rows, 8, seed=0),
+    train(model, recipe.loss(target, Settings, Settings, keep), Batches(rows, 8, seed=0),
           TrainSpec(steps=60, lr=3e-3, warmup=2), tmp_path_factory.mktemp("ckpt"),
           log=lambda step, m: history.append(m))
     return model.eval().requires_grad_(False), history

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runtime.bundle import CONFIG, FORMAT, MANIFEST, WEIGHTS
+from runtime.bundle_reader import CONFIG, FORMAT, MANIFEST, WEIGHTS
 from runtime.files import sha256_file
 
 

@@ -1,5 +1,5 @@
 """Write a drafter in the layouts serving engines load: each kind says which layouts can express it
-(runtime.drafter.DrafterKind.engine_exports), and each is written here as config.json + model.safetensors + its
+(runtime.speculation.drafter.DrafterKind.engine_exports), and each is written here as config.json + model.safetensors + its
 other files, refused when its tensor names differ from those the engine's loader maps."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime.drafter import EngineExport
+from runtime.speculation.drafter import EngineExport
 from runtime.drafters import get_kind
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"

@@ -5,7 +5,7 @@ kernels grow fast with the rows (docs/cpu.md has the tables). It reads the weigh
 columns, k-major (`pack`, done once per Linear at load): a tile of up to 6 rows broadcasts each x[m, k] against the
 panel's 64-byte line for that k, and while one panel's tiles compute, they prefetch the next panel. A verify's cost
 therefore grows by the 6-row tile (EngineConfig.max_tree). From ~64 rows on the library's blocked kernel computes
-faster (runtime.cpu_packing.OWN_MAX_ROWS).
+faster (runtime.target.cpu_packing.OWN_MAX_ROWS).
 
 It is also batch-invariant: every output is the same chain of FMAs over k whatever the number of rows, so a verify
 row equals its one-row decode bit for bit (tests/test_cpu_gemm.py), which greedy losslessness needs.

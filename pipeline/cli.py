@@ -10,9 +10,9 @@ from rich.table import Table
 
 from pipeline.errors import DraftsmithError
 from pipeline.flags import Parser, bounded
-from runtime.bundle import BundleError
+from runtime.bundle_reader import BundleError
 from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
-from runtime.host_memory import keep_freed_memory
+from pipeline.host_memory import keep_freed_memory
 
 console = Console(stderr=True)
 EXIT_GATE_FAILED = 3  # validate ran and its gate said no (the DAG branches on it); 1 = a stage failed, 2 = bad input
@@ -140,12 +140,12 @@ def _bench_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
-DEVICE_BUDGET = "device"  # --budget: chosen by timing the bundle's device candidates (runtime.device_budget)
+DEVICE_BUDGET = "device"  # --budget: chosen by timing the bundle's device candidates (runtime.serving.device_budget)
 
 
 def _budget(text: str | None):
     """--budget DEPTHxWIDTH[/NODES][+LOOKUP][@MAX_TREE] -> a ServedBudget; None for none or `device`."""
-    from runtime.budget import ServedBudget
+    from runtime.speculation.draft_budget import ServedBudget
 
     if text is None or text == DEVICE_BUDGET:
         return None
@@ -159,12 +159,12 @@ def _speculation(args):
     """What `pipeline bench --drafter` names: a weightless kind, or a bundle (hashes and target checked first)."""
     from pipeline.bench.harness import Speculation
     from pipeline.sources import resolve_target, target_fingerprint
-    from runtime.budget import ServedBudget
-    from runtime.bundle import read_bundle
-    from runtime.device_budget import NEW_TOKENS
+    from runtime.speculation.draft_budget import ServedBudget
+    from runtime.bundle_reader import read_bundle
+    from runtime.serving.device_budget import NEW_TOKENS
     from runtime.drafters import get_kind, kind_names
-    from runtime.engine import Engine, EngineConfig
-    from runtime.served import ServedEngine, served_engine
+    from runtime.speculation.engine import Engine, EngineConfig
+    from runtime.serving.served_engine import ServedEngine, served_engine
 
     budget, on_device = _budget(args.budget), args.budget == DEVICE_BUDGET
     weightless = [k for k in kind_names() if not get_kind(k).weighted]
@@ -208,7 +208,7 @@ def cmd_bench(args) -> int:
     from pipeline.bench.harness import default_bench_prompts, run_bench
     from pipeline.home import write_json_atomic
     from pipeline.sources import resolve_target
-    from runtime.precision import float_dtype
+    from runtime.target.precision import float_dtype
 
     if args.random_weights:  # random weights of a named shape, e.g. on a GPU without a checkpoint
         from pipeline.bench.random_weights import bench_from_args

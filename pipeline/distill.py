@@ -7,14 +7,14 @@ import json
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import StageResult
 from pipeline.stages import StageContext
-from runtime.bundle import LOOKUP_CORPUS
+from runtime.bundle_reader import LOOKUP_CORPUS
 
 
 def write_lookup_corpus(ctx: StageContext, vocab_size: int) -> int:
     """The lookup branch's corpus: the target's answers in the training rows (with their turn headers), where a
     weighted drafter drafts with the branch and `drafter.lookup_corpus` is on. Returns its tokens (0: none)."""
     from runtime.drafters import get_kind
-    from runtime.ngram import answer_spans, save_corpus
+    from runtime.drafters.ngram import answer_spans, save_corpus
     from train.data import TokenizedSet
 
     d = ctx.cfg.drafter
@@ -50,10 +50,10 @@ def run_distill(ctx: StageContext) -> StageResult:
     import torch
     from safetensors.torch import save_file
 
-    from runtime.draft_head import frequent_token_ids
+    from runtime.drafters.shared.draft_head import frequent_token_ids
     from runtime.drafters import drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
-    from runtime.ngram import load_corpus
-    from runtime.precision import use_bf16
+    from runtime.drafters.ngram import load_corpus
+    from runtime.target.precision import use_bf16
     from train.batches import Batches
     from train.data import TokenizedSet, prompts_from
     from train.shards import load_features

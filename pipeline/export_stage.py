@@ -16,7 +16,7 @@ from pipeline.errors import DraftsmithError
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext, sections_through
-from runtime.bundle import CONFIG, LOOKUP_CORPUS, WEIGHTS, read_bundle
+from runtime.bundle_reader import CONFIG, LOOKUP_CORPUS, WEIGHTS, read_bundle
 from runtime.drafters import WEIGHT_QUANT, get_kind
 
 BUNDLE_DIR = "bundle"
@@ -76,12 +76,12 @@ def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path
     """Export the bundle's drafter step to `out` and check it against onnxruntime; raise if parity fails."""
     from export.onnx_export import check_onnx_parity, example_inputs, export_onnx
     from runtime.drafters import bundle_weights, drafter_module
-    from runtime.model import Transformer
+    from runtime.target.weights import from_pretrained
 
     bundle = read_bundle(bundle_dir, fingerprint)
     if not get_kind(bundle.kind).onnx_inputs:
         raise DraftsmithError(f"export.onnx: drafter kind {bundle.kind!r} has no ONNX step (set export.onnx=false)")
-    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    target = from_pretrained(target_dir, max_seq_len=64)
     # the trained module as the bundle reader rebuilds it, before the runtime prepacks its weights for CPU
     config, tensors = bundle_weights(bundle, target.dtype)
     module = drafter_module(config, target, tensors, max_len=64)
@@ -101,12 +101,12 @@ def engine_exports(ctx: StageContext, bundle_dir: Path, fingerprint: str) -> dic
     from export.engine_formats import write_engine_exports
     from pipeline.sources import verifier
     from runtime.drafters import bundle_weights, drafter_module
-    from runtime.model import Transformer
+    from runtime.target.weights import from_pretrained
 
     bundle = read_bundle(bundle_dir, fingerprint)
     if not get_kind(bundle.kind).weighted:
         return {}
-    target = Transformer.from_pretrained(ctx.target_dir, max_seq_len=64)
+    target = from_pretrained(ctx.target_dir, max_seq_len=64)
     config, tensors = bundle_weights(bundle, target.dtype)  # a quantised bundle's weights as the reader restores them
     depth = bundle.served_budget(ctx.configured_budget()).tree.depth  # what the engine is told to draft
     return write_engine_exports(bundle.kind, drafter_module(config, target, tensors, max_len=64),

@@ -91,8 +91,8 @@ def target_pass(ctx: StageContext, target, tokenizer, conversations: list[list[d
     """Regenerate `conversations` and/or cache the target's features for them (the final hidden states and the
     residual streams entering the `streams` layers); resumable in `work`. Returns (rows, features or None, dropped
     counts by reason)."""
-    from runtime.tokens import stop_ids
-    from runtime.sampling import SamplingParams
+    from pipeline.tokens import stop_ids
+    from runtime.speculation.sampling import SamplingParams
     from train.data import TokenizedSet, tokenize_rows
     from train.regenerate import RegenSettings, cache_features, regenerate
     from train.shards import merge_shards

@@ -58,7 +58,7 @@ class ValidatedBundle:
 
 def read_validated(store: RunStore) -> ValidatedBundle:
     """The run's bundle, if and only if validation finished and its gate passed; otherwise a DraftsmithError."""
-    from runtime.bundle import MANIFEST, read_bundle
+    from runtime.bundle_reader import MANIFEST, read_bundle
 
     rec = store.record("validate")
     if rec is None:
@@ -89,7 +89,7 @@ def _serving_target(spec: str) -> str:
 
 
 def served_budget(report: dict) -> dict:
-    """The draft budget the bundle serves, as validate ran it (runtime.budget.ServedBudget's keys)."""
+    """The draft budget the bundle serves, as validate ran it (runtime.speculation.draft_budget.ServedBudget's keys)."""
     return {k: report["budget"][k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
 
 

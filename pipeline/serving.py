@@ -5,7 +5,7 @@ target, checks that the bundle was built for exactly these weights, and runs our
 where one is present ($DRAFTSMITH_DEVICE=cpu|cuda chooses), there with the draft budget that runs fastest there
 ($DRAFTSMITH_BUDGET=calibrated|device chooses).
 
-Concurrent requests are batched: one scheduler thread owns a batched engine (runtime.batch_engine), and every
+Concurrent requests are batched: one scheduler thread owns a batched engine (runtime.serving.batch_engine), and every
 request, from whichever of the scoring server's threads, joins its queue and waits for its own rows (a request's
 rows run together). The settings, read at load ($NAME, default):
 - DRAFTSMITH_MAX_BATCH (8): rows decoded together;
@@ -14,7 +14,7 @@ rows run together). The settings, read at load ($NAME, default):
 - DRAFTSMITH_REQUEST_TIMEOUT_S (120): a request not answered this long after it was accepted gets an error (HTTP
   504) and its rows leave the batch (the scoring server's own limit is set above it by `pipeline serve`);
 - DRAFTSMITH_BATCH_POLICY (measured | fixed | plain): the draft budget at each batch size measured at load among
-  the bundle's budgets and plain decoding (runtime.batch_budget), the served budget at every size, or no drafting
+  the bundle's budgets and plain decoding (runtime.serving.batch_budget), the served budget at every size, or no drafting
   at all (plain batched decoding: the baseline the load test compares with).
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def serving_device():
 
 def budget_source(device) -> str:
     """$DRAFTSMITH_BUDGET: `calibrated` serves the budget calibrate chose by CPU speed, `device` times the bundle's
-    device candidates here and serves the fastest (runtime.device_budget); default: device on CUDA, where the CPU's
+    device candidates here and serves the fastest (runtime.serving.device_budget); default: device on CUDA, where the CPU's
     choice is too small, calibrated on the CPU."""
     name = os.environ.get(BUDGET_ENV) or ("device" if device.type == "cuda" else "calibrated")
     if name not in BUDGET_SOURCES:
@@ -118,14 +118,14 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
 
         from pipeline.bench.harness import default_bench_prompts
         from pipeline.sources import resolve_target, target_fingerprint
-        from runtime.budget import ServedBudget
-        from runtime.bundle import read_bundle
-        from runtime.device_budget import describe
-        from runtime.model import Transformer
-        from runtime.precision import float_dtype
-        from runtime.scheduler import Scheduler
-        from runtime.served import served_engine
-        from runtime.tokens import stop_ids
+        from runtime.speculation.draft_budget import ServedBudget
+        from runtime.bundle_reader import read_bundle
+        from runtime.serving.device_budget import describe
+        from runtime.target.weights import from_pretrained
+        from runtime.target.precision import float_dtype
+        from runtime.serving.scheduler import Scheduler
+        from runtime.serving.served_engine import served_engine
+        from pipeline.tokens import stop_ids
 
         settings = context.model_config
         target_dir = resolve_target(settings["target"])
@@ -134,7 +134,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         device = serving_device()
         # validate's precision, resolved on this device; models registered before it was recorded ran fp32
         dtype = float_dtype(settings.get("precision", "fp32"), device)
-        target = Transformer.from_pretrained(target_dir, dtype=dtype, device=device)
+        target = from_pretrained(target_dir, dtype=dtype, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         on_device = budget_source(device) == "device"
         batching = BatchSettings.from_env()
@@ -155,16 +155,16 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         self.max_new_tokens = int(settings["max_new_tokens"])  # a row without max_new_tokens gets validate's
 
     def _prompt_ids(self, prompt: str) -> list[int]:
-        from runtime.tokens import encode
+        from pipeline.tokens import encode
 
         return encode(self.tokenizer, prompt)  # the same encoding the benchmark measures
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         """Every row of the frame in the batch at once; the answers in row order."""
-        from runtime.batch_engine import BatchRequest
-        from runtime.model import context_error
-        from runtime.sampling import SamplingParams
-        from runtime.scheduler import SchedulerError
+        from runtime.serving.batch_engine import BatchRequest
+        from runtime.target.model import context_error
+        from runtime.speculation.sampling import SamplingParams
+        from runtime.serving.scheduler import SchedulerError
 
         requests = []
         for row in model_input.to_dict(orient="records"):
@@ -193,7 +193,7 @@ def _http_error(error):
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INTERNAL_ERROR, RESOURCE_EXHAUSTED
 
-    from runtime.scheduler import QueueFull, RequestTimedOut
+    from runtime.serving.scheduler import QueueFull, RequestTimedOut
 
     code = RESOURCE_EXHAUSTED if isinstance(error, QueueFull) else DEADLINE_EXCEEDED \
         if isinstance(error, RequestTimedOut) else INTERNAL_ERROR

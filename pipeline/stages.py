@@ -33,33 +33,34 @@ class StageContext:
 
     def load_target(self, max_seq_len: int | None = None, precision: str = "fp32"):
         """The target on the CPU with a cache of max_seq_len (default: 2048, or the model's context if shorter);
-        precision auto|fp32|bf16 (runtime.precision: auto is bf16 where bf16 is fast)."""
+        precision auto|fp32|bf16 (runtime.target.precision: auto is bf16 where bf16 is fast)."""
         import torch
 
-        from runtime.model import ModelConfig, Transformer
-        from runtime.precision import float_dtype
+        from runtime.target.model import ModelConfig
+        from runtime.target.weights import from_pretrained
+        from runtime.target.precision import float_dtype
 
         if max_seq_len is None:
             max_seq_len = min(2048, ModelConfig.from_dir(self.target_dir).max_position_embeddings)
-        return Transformer.from_pretrained(self.target_dir, max_seq_len=max_seq_len,
+        return from_pretrained(self.target_dir, max_seq_len=max_seq_len,
                                            dtype=float_dtype(precision, torch.device("cpu")))
 
     def configured_budget(self):
         """The largest draft budget the run allows (drafter.depth/width/nodes and its lookup branch)."""
-        from runtime.budget import DraftBudget, ServedBudget
+        from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 
         d = self.cfg.drafter
         return ServedBudget(DraftBudget(depth=d.depth, width=d.width, nodes=d.nodes), lookup=d.lookup)
 
     def stop_ids(self) -> tuple[int, ...]:
         """Where the target's generation ends, as HF `generate` stops for it."""
-        from runtime.tokens import generation_stop_ids
+        from pipeline.tokens import generation_stop_ids
 
         return generation_stop_ids(self.target_dir)
 
     def tau_probe(self, prompts: list[list[int]], new_tokens: int):
         """How distill and calibrate measure real tau: the configured tree, greedy, ending at end of turn."""
-        from runtime.tau_probe import TauProbe
+        from runtime.speculation.tau_probe import TauProbe
 
         return TauProbe(prompts, self.configured_budget().tree, new_tokens, self.stop_ids())
 
@@ -81,7 +82,7 @@ class StageContext:
 
     def lookup_corpus_file(self) -> Path | None:
         """The lookup branch's corpus distill wrote (the target's answers in the training rows); None without."""
-        from runtime.bundle import LOOKUP_CORPUS
+        from runtime.bundle_reader import LOOKUP_CORPUS
 
         path = self.input("distill") / LOOKUP_CORPUS
         return path if path.is_file() else None

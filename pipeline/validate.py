@@ -25,9 +25,9 @@ from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, write_json_atomic
 from pipeline.runstore import StageResult
 from pipeline.stages import StageContext
-from runtime.decode_stats import Metrics
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
+from runtime.speculation.decode_stats import Metrics
+from runtime.speculation.engine import Engine
+from runtime.speculation.sampling import SamplingParams
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 PROMPTS_JSONL = "prompts.jsonl"  # the prompts as token ids, which `pipeline bench --prompts` reads
@@ -117,9 +117,9 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
 
     from pipeline.bench.harness import device_name, fitting_context, hf_generate
     from pipeline.sources import target_fingerprint
-    from runtime.bundle import read_bundle
+    from runtime.bundle_reader import read_bundle
     from runtime.drafters import get_kind
-    from runtime.served import served_engine
+    from runtime.serving.served_engine import served_engine
 
     bundle = read_bundle(ctx.input("export") / "bundle", target_fingerprint(ctx.target_dir))  # refuses tampering
     v, configured = ctx.cfg.validate, ctx.configured_budget()
@@ -168,7 +168,7 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
 def budget_dict(engine: Engine) -> dict:
     """The draft budget `engine` runs (its lookup branch as the engine uses it: a weightless drafter has none), and
     whether the branch drafts from a corpus."""
-    from runtime.budget import ServedBudget
+    from runtime.speculation.draft_budget import ServedBudget
 
     budget = ServedBudget.of(engine.cfg)
     lookup = budget.lookup if engine.lookup is not None else 0
@@ -176,7 +176,7 @@ def budget_dict(engine: Engine) -> dict:
 
 
 def budget_label(budget: dict) -> str:
-    from runtime.budget import ServedBudget
+    from runtime.speculation.draft_budget import ServedBudget
 
     return ServedBudget.from_dict(budget).label(budget.get("lookup_corpus", False))
 

@@ -14,13 +14,13 @@ import time
 import torch
 
 from pipeline.sources import resolve_target, target_fingerprint
-from runtime.tokens import stop_ids
-from runtime.budget import ServedBudget
-from runtime.bundle import read_bundle
-from runtime.decode_stats import tokens_per_forward
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
-from runtime.served import served_engine
+from pipeline.tokens import stop_ids
+from runtime.speculation.draft_budget import ServedBudget
+from runtime.bundle_reader import read_bundle
+from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
+from runtime.serving.served_engine import served_engine
 
 NEW_TOKENS = 128
 
@@ -33,7 +33,7 @@ def main(bundle_dir: str, prompts_file: str, *budgets: str) -> None:
     prompts = [json.loads(line)["ids"] for line in open(prompts_file) if line.strip()]
     stops = stop_ids(AutoTokenizer.from_pretrained(target_dir))
     max_len = max(map(len, prompts)) + NEW_TOKENS + 80
-    target = Transformer.from_pretrained(target_dir, dtype=torch.float32, max_seq_len=max_len)
+    target = from_pretrained(target_dir, dtype=torch.float32, max_seq_len=max_len)
     for spec in budgets:
         engine = served_engine(bundle, target, max_len, budget=ServedBudget.parse(spec), speed_check=False).engine
         new = forwards = nodes = 0

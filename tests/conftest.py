@@ -59,7 +59,7 @@ def tiny_model_dir(tmp_path_factory):
 def min_span(request, monkeypatch):
     """The static steps' smallest key span: the default (one span: these tests' caches are shorter), or 16, so a
     generation's static steps attend over spans of 16, 32, 64 ... keys and change span as the context grows."""
-    from runtime import cuda_graphs
+    from runtime.speculation import cuda_graphs
     if request.param is not None:
         monkeypatch.setattr(cuda_graphs, "MIN_SPAN", request.param)
     return cuda_graphs.MIN_SPAN

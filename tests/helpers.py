@@ -13,11 +13,11 @@ import torch
 
 from pipeline.runstore import RunStore
 from pipeline.stages import StageContext
-from runtime.drafter import Drafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree
+from runtime.speculation.drafter import Drafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import Transformer
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tree import DraftTree
 from train.data import TokenizedSet
 
 
@@ -146,7 +146,7 @@ class NoisyOracle(Drafter):
 def assert_three_tokens_follow_the_target(target, prompt: list[int], params, counts: dict, n: int) -> None:
     """`counts` of the first three tokens after `prompt` over n samples against the target's exact joint
     probabilities under `params` (chi-square, about 5 standard deviations)."""
-    from runtime.sampling import warp
+    from runtime.speculation.sampling import warp
 
     def probs(seq):
         with torch.no_grad():

@@ -3,7 +3,7 @@ each prompt's batch-1 greedy decode, and the work shows a progress bar."""
 from test_engine import chain_speculation
 
 from pipeline.bench.batch import run_batch_bench
-from runtime.ngram import NgramDrafter
+from runtime.drafters.ngram import NgramDrafter
 
 PROMPTS = ["w5 w6 w7 w5 w6 w7", "w40 w41 w40 w41", "w9 w8 w9"]
 

@@ -7,19 +7,20 @@ import pytest
 import torch
 from helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
 
-from runtime.attention import SpecAttnConfig
-from runtime.batch_budget import batch_sizes, measure_policy
-from runtime.batch_engine import BatchEngine, BatchRequest
-from runtime.budget import BatchPolicy, DraftBudget, ServedBudget
+from runtime.target.attention import SpecAttnConfig
+from runtime.serving.batch_budget import batch_sizes, measure_policy
+from runtime.serving.batch_engine import BatchEngine, BatchRequest
+from runtime.speculation.draft_budget import BatchPolicy, DraftBudget, ServedBudget
 from runtime.drafters.eagle3 import Eagle3Model, aux_layers
-from runtime.eagle_drafting import EagleDrafter
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.medusa import MedusaDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.ngram import NgramDrafter
-from runtime.sampling import SamplingParams
-from runtime.served import smaller_budgets
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import Transformer
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import NgramDrafter
+from runtime.speculation.sampling import SamplingParams
+from runtime.serving.served_engine import smaller_budgets
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 from train.recipes.medusa import build_medusa
@@ -31,7 +32,7 @@ NEW_TOKENS = [40, 25, 33, 50, 10, 30]
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 class RowOracle(NoisyOracle):
@@ -73,7 +74,7 @@ def batch1(target, prompts=PROMPTS, lengths=NEW_TOKENS, stop_ids=()):
 def peaked(tiny_model_dir):
     """Untied, with a large init: peaked next tokens that depend on the whole context (the tied tiny model mostly
     repeats its last token, which a wrong KV slot would not change)."""
-    return Transformer.from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=128)
+    return from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=128)
 
 
 def rows_equal_batch1(target, new_drafter, fields: dict, batched: bool) -> None:
@@ -287,6 +288,6 @@ def test_batched_eagle_proposes_each_rows_own_tree(target, params):
 
 def test_eagle3_rows_equal_their_batch1_greedy_decode(tiny_model_dir):
     """eagle3 drafts a batch from the streams the batched verify taps: wrong or missing streams change its trees."""
-    target = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=8), max_seq_len=128)
+    target = from_pretrained(tiny_model_dir("llama", num_hidden_layers=8), max_seq_len=128)
     model = perturbed(Eagle3Model.from_target(target, None, aux_layers(None, 8)))
     rows_equal_batch1(target, lambda: EagleDrafter(model, 128), {"lookup": 2}, batched=True)

@@ -5,7 +5,7 @@ import pytest
 from export.calibrate.budget import (candidates, choose_budget, device_ladder, halving_runs, preference,
                                      successive_halving)
 from export.calibrate.predict import could_win, predict
-from runtime.budget import DraftBudget, ServedBudget
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 
 
 def test_the_device_ladder_stays_within_the_configured_budget_and_drops_caps_it_cannot_reach():

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from export.bundle import write_bundle
-from runtime.bundle import BundleError, read_bundle
-from runtime.budget import DraftBudget, ServedBudget
-from runtime.engine import EngineConfig
+from runtime.bundle_reader import BundleError, read_bundle
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.speculation.engine import EngineConfig
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_the_served_budget_is_the_calibrated_one_with_its_engine_fields(tmp_path
 
 
 def test_engine_settings_verify_sparsely_only_where_calibrate_chose_a_top_p_below_one(tmp_path):
-    from runtime.attention import SpecAttnConfig
+    from runtime.target.attention import SpecAttnConfig
 
     for top_p in (0.7, 1.0):
         (tmp_path / "specattn.json").write_text(SpecAttnConfig((-1, 0, 0), top_p, dense_first=1).to_json())
@@ -135,7 +135,7 @@ def test_engine_settings_verify_sparsely_only_where_calibrate_chose_a_top_p_belo
 
 
 def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_drafts_with_the_branch(tmp_path):
-    from runtime.ngram import save_corpus
+    from runtime.drafters.ngram import save_corpus
 
     save_corpus(tmp_path / "lookup_corpus.safetensors", [torch.tensor([5, 6, 7, 8])], vocab_size=100)
     for lookup in (8, 0):
@@ -154,7 +154,7 @@ def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_dra
 
 
 def test_device_candidates_are_the_budgets_calibrate_measured_tau_for(tmp_path):
-    from runtime.ngram import save_corpus
+    from runtime.drafters.ngram import save_corpus
 
     save_corpus(tmp_path / "lookup_corpus.safetensors", [torch.tensor([5, 6, 7, 8])], vocab_size=100)
     (tmp_path / "kv_quant.json").write_text(json.dumps({"chosen": "int8", "recent": 16, "candidates": []}))

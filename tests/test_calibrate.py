@@ -19,16 +19,16 @@ from export.calibrate.weights import choose_scheme
 from pipeline.config import Config
 from pipeline.runstore import RunStore
 from pipeline.stages import StageContext
-from runtime.attention import SpecAttnConfig
-from runtime.budget import DraftBudget, ServedBudget
-from runtime.decode_stats import tokens_per_forward
+from runtime.target.attention import SpecAttnConfig
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.ngram import NgramDrafter
-from runtime.precision import float_dtype
-from runtime.quant_kv_cache import KVQuant, QuantizedKVCache
-from runtime.sampling import SamplingParams
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import NgramDrafter
+from runtime.target.precision import float_dtype
+from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache
+from runtime.speculation.sampling import SamplingParams
 from train.recipes import eagle as eagle_recipe
 from train.recipes import lm as lm_recipe
 from train.batches import Batches
@@ -53,7 +53,7 @@ def target_dir(tiny_model_dir):
 def distilled(target_dir, tmp_path_factory):
     """(val rows, eagle tensors): a briefly trained drafter on the target's own greedy text, so tau is well above
     1 and a damaging quantisation shows up as a tau drop."""
-    target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+    target = from_pretrained(target_dir, max_seq_len=256)
     engine = Engine(target, None, EngineConfig(max_seq_len=256))
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -73,7 +73,7 @@ def distilled(target_dir, tmp_path_factory):
 def make_hard_to_quantise(tensors: dict, factor: float) -> None:
     """Same function, harder to quantise: FFN up-channel k is scaled by `factor` on the side where it lies along
     dim 1 of the stored matrix (inside a quantisation row/group) and divided on the other side. Which side that
-    is depends on whether runtime.cpu_packing.Linear stores [out, in] (`weight`) or [in, out] (`weight_t`)."""
+    is depends on whether runtime.target.cpu_packing.Linear stores [out, in] (`weight`) or [in, out] (`weight_t`)."""
     w13, w2 = (next(v for k, v in tensors.items() if k.startswith(f"block.feed_forward.{n}.")) for n in ("w13", "w2"))
     transposed = any(k.endswith("w2.weight_t") for k in tensors)
     for k in range(0, INTERMEDIATE, 8):
@@ -103,7 +103,7 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
     if kind == "ngram":
         (distill / "drafter_config.json").write_text(json.dumps({"kind": "ngram", "max_ngram": 4}))
     elif kind == "lm":  # every target layer: a drafter that attends exactly as the target does
-        target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+        target = from_pretrained(target_dir, max_seq_len=256)
         lm = lm_recipe.build_lm(target, N_LAYERS, "target")
         save_file(drafter_tensors(lm, tensors[DRAFT_VOCAB]), str(distill / "drafter.safetensors"))
         (distill / "drafter_config.json").write_text(json.dumps(drafter_config("lm", lm, 64, None)))
@@ -340,7 +340,7 @@ def test_choose_top_p_saves_most_within_the_perplexity_tolerance():
 
 
 def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, distilled):
-    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    target = from_pretrained(target_dir, max_seq_len=64)
     eagle = eagle_recipe.build_eagle(target, None).eval()
     row = calibration_row(target, get_kind("eagle"), eagle, distilled[0].row(0)[0][:30])
     nll, reads, dense = sparse_nll(target, row, SpecAttnConfig((-1, 0, 0, 0), top_p=1.0, dense_first=1))
@@ -379,7 +379,7 @@ def test_kv_message_says_when_speed_alone_ruled_compression_out():
 
 
 def test_decode_ms_times_every_storage_after_the_context(target_dir):
-    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    target = from_pretrained(target_dir, max_seq_len=64)
     quants = {"none": None, "int4": KVQuant("int4", recent=4)}
     times = decode_ms(target, quants, context=40, rounds=2, steps=1)
     assert set(times) == {"none", "int4"} and all(0 < t < 10_000 for t in times.values())
@@ -388,7 +388,7 @@ def test_decode_ms_times_every_storage_after_the_context(target_dir):
 
 
 def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(target_dir, distilled):
-    target = Transformer.from_pretrained(target_dir, max_seq_len=64)
+    target = from_pretrained(target_dir, max_seq_len=64)
     ids = distilled[0].row(0)[0][:40]
     dense = quantized_nll(target, ids, None)
     full = target.run(ids[None], target.new_cache(1, 40), torch.arange(40)[None]).logits
@@ -403,7 +403,7 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
             for t in range(40):
                 one_by_one.append(target(ids[None, t:t + 1], cache, torch.tensor([[t]]))[0])
                 cache.advance(1)
-        # the tolerance covers fp32 kernels that differ by row count (runtime.cpu_packing.Linear), not a misread history
+        # the tolerance covers fp32 kernels that differ by row count (runtime.target.cpu_packing.Linear), not a misread history
         torch.testing.assert_close(nll, F.cross_entropy(torch.cat(one_by_one, 1)[0, :-1].float(), ids[1:],
                                                     reduction="none"), atol=1e-4, rtol=1e-5)
         errors[scheme] = (nll - dense).abs().mean()
@@ -413,7 +413,7 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
 
 def test_a_replayed_budget_commits_the_reply_and_reaches_the_engines_tau(target_dir, distilled):
     data, tensors = distilled
-    target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+    target = from_pretrained(target_dir, max_seq_len=256)
     config = {"kind": "eagle", "draft_vocab": 64}
     module = drafter_module(config, target, tensors)
     prompts = [data.row(i)[0][:8].tolist() for i in range(4)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.errors import DraftsmithError
-from runtime.precision import float_dtype
+from runtime.target.precision import float_dtype
 
 
 def pipeline(*args, cwd):
@@ -205,7 +205,7 @@ def test_bench_prompts_file_lines_and_its_errors(tmp_path):
 
 def test_bench_budget_flag_and_its_errors():
     from pipeline.cli import _budget
-    from runtime.budget import DraftBudget, ServedBudget
+    from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 
     assert _budget("2x3/6+8@5") == ServedBudget(DraftBudget(2, 3, 6), adaptive=False, lookup=8, max_tree=5)
     assert _budget("2x1") == ServedBudget(DraftBudget(2, 1, 0))

@@ -1,4 +1,4 @@
-"""The static steps fused by torch.compile (EngineConfig.compile_static, runtime.cuda_graphs.compile_step), here
+"""The static steps fused by torch.compile (EngineConfig.compile_static, runtime.speculation.cuda_graphs.compile_step), here
 through inductor's CPU backend, eagerly: the same tokens as the uncompiled static steps, and a compiled graph
 for each of the decode, verify and chain steps (not a silent fall-back to eager)."""
 import pytest
@@ -7,18 +7,18 @@ from torch._dynamo.utils import counters
 
 from helpers import perturbed
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
-from runtime import cpu_packing
-from runtime.budget import DraftBudget
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
+from runtime.target import cpu_packing
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
 from train.recipes.eagle import build_eagle
 
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 def compiled_graphs() -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_gemm
-from runtime.cpu_packing import Linear
+from runtime.target.cpu_packing import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="kernels/cpu_gemm needs AVX2 + FMA and a compiler")
 
@@ -60,8 +60,8 @@ def test_pack_lays_16_output_columns_k_major_and_zero_pads_the_last_panel():
 
 @torch.no_grad()
 def test_linear_routes_fp32_inference_through_it_and_training_around_it(monkeypatch):
-    monkeypatch.setattr("runtime.cpu_packing.OWN_FP32_KERNEL", True)
-    monkeypatch.setattr("runtime.cpu_packing.OWN_MAX_ROWS", 8)
+    monkeypatch.setattr("runtime.target.cpu_packing.OWN_FP32_KERNEL", True)
+    monkeypatch.setattr("runtime.target.cpu_packing.OWN_MAX_ROWS", 8)
     linear = Linear(64, 24)
     linear.pack()
     assert linear.own_fp32

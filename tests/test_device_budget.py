@@ -1,13 +1,13 @@
-"""Choosing the draft budget on the serving device (runtime/device_budget.py): each candidate's step timed through
+"""Choosing the draft budget on the serving device (runtime/serving/device_budget.py): each candidate's step timed through
 the engine as serving configures it, the most tokens/s (calibrated tau / ms a step) kept."""
 import pytest
 import torch
 
-from runtime.budget import DraftBudget, ServedBudget
-from runtime.device_budget import choose_on_device, describe, ms_per_step
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.serving.device_budget import choose_on_device, describe, ms_per_step
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
 from train.recipes.eagle import build_eagle
 
 ROWS = [{"depth": 1, "width": 3, "nodes": 3, "adaptive": True, "lookup": 0, "max_tree": 0},
@@ -17,7 +17,7 @@ ROWS = [{"depth": 1, "width": 3, "nodes": 3, "adaptive": True, "lookup": 0, "max
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,14 @@ import torch
 
 from helpers import self_distilled_rows
 from export.bundle import write_bundle
-from runtime.bundle import read_bundle
-from runtime.budget import DraftBudget
+from runtime.bundle_reader import read_bundle
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters import DRAFT_VOCAB, build_drafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.ngram import NgramDrafter
-from runtime.sampling import SamplingParams
-from runtime.tau_probe import TauProbe
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import NgramDrafter
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tau_probe import TauProbe
 from train.recipes import eagle as eagle_recipe
 from train.recipes import medusa as medusa_recipe
 from train.batches import Batches
@@ -24,7 +24,7 @@ from train.trainer import TrainSpec, train
 def target(tiny_model_dir):
     # a large init makes next-token distributions peaked, as a trained model's are (random ones are near-uniform)
     hf = tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.3)
-    return Transformer.from_pretrained(hf, max_seq_len=256)
+    return from_pretrained(hf, max_seq_len=256)
 
 
 @pytest.fixture(scope="module")

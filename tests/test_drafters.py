@@ -3,12 +3,12 @@ import pytest
 import torch
 
 from helpers import perturbed
-from runtime.draft_head import DraftHead, frequent_token_ids
-from runtime.budget import DraftBudget
-from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree
-from runtime.eagle_drafting import EagleDrafter
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
+from runtime.drafters.shared.draft_head import DraftHead, frequent_token_ids
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa
 
@@ -17,7 +17,7 @@ GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=20)
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 def _random_expand(vocab, seed):

@@ -10,16 +10,17 @@ import torch
 from export.bundle import write_bundle
 from export.calibrate.replay import ReplayTarget, reference, replay
 from helpers import perturbed, self_distilled_rows
-from runtime.budget import DraftBudget
-from runtime.bundle import BundleError, read_bundle
-from runtime.batch_generate import BatchGenerator, Request
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.bundle_reader import BundleError, read_bundle
+from train.batch_generate import BatchGenerator, Request
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.drafters.eagle3 import Eagle3Model, aux_layers
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Taps, Transformer
-from runtime.sampling import SamplingParams
-from runtime.static_draft import StaticEagleTree
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import Taps, Transformer
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
+from runtime.drafters.shared.eagle_static import StaticEagleTree
 from train.batches import Batches
 from train.recipes import get_recipe
 from train.target_outputs import target_features
@@ -42,7 +43,7 @@ def target_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return Transformer.from_pretrained(target_dir, max_seq_len=256)
+    return from_pretrained(target_dir, max_seq_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def test_a_bundle_for_a_target_of_another_depth_is_refused(target, tiny_model_di
     config = drafter_config("eagle3", random_eagle3, VOCAB // 2, Settings)
     write_bundle(tmp_path / "b", config, drafter_tensors(random_eagle3, random_eagle3.head.keep_ids),
                  target_fingerprint="t", data_digest="d", config={}, code_version="test")
-    shallower = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=6), max_seq_len=64)
+    shallower = from_pretrained(tiny_model_dir("llama", num_hidden_layers=6), max_seq_len=64)
     with pytest.raises(BundleError, match="chosen for a target of 8 layers, this one has 6"):
         build_drafter(read_bundle(tmp_path / "b"), shallower, 64)
 
@@ -247,7 +248,7 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
                       "top_p": [0.9]},
         "validate": {"num_prompts": 2, "max_new_tokens": 10, "gate": {"min_tau": 1.0, "min_speedup": 0.0}}})
     store = RunStore(tmp_path / "runs", "r1")
-    target = Transformer.from_pretrained(target_dir, max_seq_len=256)
+    target = from_pretrained(target_dir, max_seq_len=256)
 
     def prepare(ctx):  # the self-distilled rows, and the cache prepare writes for an eagle3 drafter
         features = []

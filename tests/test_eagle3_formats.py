@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from export.engine_formats import write_engine_export
 from helpers import perturbed
 from runtime.drafters.eagle3 import KIND, Eagle3Config, Eagle3Model, aux_layers
-from runtime.model import Taps, Transformer
+from runtime.target.model import Taps, Transformer
+from runtime.target.weights import from_pretrained
 
 VOCAB, DRAFT_VOCAB, LAYERS = 96, 32, 8
 
@@ -22,7 +23,7 @@ def target_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return Transformer.from_pretrained(target_dir, max_seq_len=64)
+    return from_pretrained(target_dir, max_seq_len=64)
 
 
 def trained_like(target: Transformer, keep: torch.Tensor | None, seed: int = 0) -> Eagle3Model:

@@ -8,17 +8,17 @@ import torch
 
 from helpers import NoisyOracle, assert_three_tokens_follow_the_target
 
-from runtime.attention import SpecAttnConfig
+from runtime.target.attention import SpecAttnConfig
 from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_prompts, run_bench,
                                     weight_bytes_per_token)
-from runtime.budget import DraftBudget, ServedBudget
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.ngram import NgramDrafter
-from runtime.sampling import SamplingParams
-from runtime.served import ServedEngine
-from runtime.tree import DraftTree
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import NgramDrafter
+from runtime.speculation.sampling import SamplingParams
+from runtime.serving.served_engine import ServedEngine
+from runtime.speculation.tree import DraftTree
 from train.recipes import eagle as eagle_recipe
 
 PROMPT = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9]
@@ -26,7 +26,7 @@ PROMPT = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9]
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 @torch.no_grad()
@@ -250,7 +250,7 @@ def test_weight_bytes_count_a_tied_table_once(tiny_model_dir):
         path = tiny_model_dir("llama", tie_word_embeddings=tied)
         n_hf = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
         streamed = n_hf if tied else n_hf - 96 * 64  # an untied input embedding reads one row per token
-        assert weight_bytes_per_token(Transformer.from_pretrained(path, max_seq_len=16)) == 4 * streamed
+        assert weight_bytes_per_token(from_pretrained(path, max_seq_len=16)) == 4 * streamed
     assert copy_bandwidth(n_bytes=1 << 20, repeats=2) > 0
 
 
@@ -291,7 +291,7 @@ def test_a_lookup_corpus_drafts_what_the_reply_has_not_said_yet_and_stays_lossle
     prompts): the lookup branch drafts it where the reply has no earlier match, with greedy output unchanged."""
     from transformers import AutoTokenizer
 
-    target = Transformer.from_pretrained(smollm2_dir, max_seq_len=256)
+    target = from_pretrained(smollm2_dir, max_seq_len=256)
     chat = [{"role": "user", "content": default_bench_prompts()[1]}]
     prompt = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(chat, add_generation_prompt=True)
     prompt = list(getattr(prompt, "input_ids", prompt))

@@ -9,16 +9,17 @@ import pytest
 import torch
 from helpers import assert_three_tokens_follow_the_target, perturbed
 
-import runtime.engine as engine_module
-import runtime.verify as verify_module
-from runtime.budget import DraftBudget
+import runtime.speculation.engine as engine_module
+import runtime.speculation.verify as verify_module
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.medusa import MedusaDrafter
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams, sample, warp
-from runtime.verify import Verdict
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import Transformer
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams, sample, warp
+from runtime.speculation.verify import Verdict
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 from train.recipes.medusa import build_medusa
@@ -33,7 +34,7 @@ LENGTH = 5  # tokens generated; the first three are counted (with fewer, the eng
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
     # a large init makes next-token distributions peaked, as a trained model's are (random ones are near-uniform)
-    return Transformer.from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=16)
+    return from_pretrained(tiny_model_dir("llama", initializer_range=0.3), max_seq_len=16)
 
 
 def drafter(kind: str, target: Transformer):

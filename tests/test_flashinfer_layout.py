@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from pipeline.bench.flashinfer_check import random_tree_mask
-from runtime.attention.flashinfer import PAGE, FlashInferBackend, paged_view, sparse_blocks
+from runtime.target.attention.flashinfer import PAGE, FlashInferBackend, paged_view, sparse_blocks
 from kernels.sparse_attention import sparse_attention_torch
-from runtime.attention import BACKEND_ENV, BACKENDS
-from runtime.budget import DraftBudget
-from runtime.engine import Engine, EngineConfig
+from runtime.target.attention import BACKEND_ENV, BACKENDS
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.engine import Engine, EngineConfig
 from pipeline.bench.random_weights import ReplayDrafter
-from runtime.kv_cache import KVCache
-from runtime.model import Transformer
+from runtime.target.kv_cache import KVCache
+from runtime.target.weights import from_pretrained
 from torch_flashinfer import TorchFlashInfer, unpage
 
 HKV, D = 2, 8
@@ -141,7 +141,7 @@ def test_a_plan_serves_every_layer_of_a_forward():
 def test_engine_through_the_flashinfer_calls_is_the_sdpa_engine(tiny_model_dir, monkeypatch):
     """Greedy decoding and speculation in bf16, every attention call through the backend's flashinfer calls (the
     stand-in's kernels): the tokens equal the sdpa engine's, and each target forward plans once, not per layer."""
-    target = Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=3), dtype=torch.bfloat16,
+    target = from_pretrained(tiny_model_dir("llama", num_hidden_layers=3), dtype=torch.bfloat16,
                                          max_seq_len=128)
     prompt, n_new = [5, 17, 33, 5, 17, 42, 8, 5, 17], 24
     cfg = EngineConfig(max_seq_len=64, budget=DraftBudget(depth=4))

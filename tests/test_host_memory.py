@@ -6,7 +6,7 @@ import pytest
 
 PROBE = """
 import ctypes, sys, torch
-from runtime.host_memory import keep_freed_memory
+from pipeline.host_memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "

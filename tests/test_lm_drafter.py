@@ -18,16 +18,17 @@ from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages import StageContext
 from pipeline.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
-from runtime.attention import SpecAttnConfig
-from runtime.bundle import LOOKUP_CORPUS, SPECATTN, read_bundle
-from runtime.budget import DraftBudget, ServedBudget
+from runtime.target.attention import SpecAttnConfig
+from runtime.bundle_reader import LOOKUP_CORPUS, SPECATTN, read_bundle
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
-from runtime.engine import Engine, EngineConfig
+from runtime.speculation.engine import Engine, EngineConfig
 from runtime.drafters.lm import LMDrafter
-from runtime.hf_weights import hf_causal_lm, hf_config, hf_state_dict
-from runtime.model import Transformer
-from runtime.ngram import answer_spans
-from runtime.sampling import SamplingParams
+from runtime.target.weights import hf_causal_lm, hf_config, hf_state_dict
+from runtime.target.model import Transformer
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import answer_spans
+from runtime.speculation.sampling import SamplingParams
 from train.recipes import lm as lm_recipe
 from train.batches import Batches
 from train.losses import KD_DISTANCES
@@ -44,7 +45,7 @@ def target_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return Transformer.from_pretrained(target_dir, max_seq_len=256)
+    return from_pretrained(target_dir, max_seq_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     history = _train(model, lm_recipe.lm_kd_loss(target, "forward_kl"), self_distilled, 12, tmp_path / "ckpt", 1e-2)
     assert history[-1]["loss"] < history[0]["loss"]
-    merged, base = lm_recipe.merge_lora(model), Transformer.from_pretrained(base_dir, max_seq_len=256)
+    merged, base = lm_recipe.merge_lora(model), from_pretrained(base_dir, max_seq_len=256)
     assert isinstance(merged, Transformer)
     merged_sd, base_sd = merged.state_dict(), base.state_dict()
     assert merged_sd.keys() == base_sd.keys()
@@ -180,10 +181,10 @@ def test_bad_lm_settings_are_refused(target, self_distilled):
                                             ("qwen2", {}), ("qwen3", {"attention_bias": True})])
 def test_hf_conversion_round_trips(tiny_model_dir, tmp_path, arch, overrides):
     """ours -> HF names and config -> ours is the identity, and HF transformers computes the same logits."""
-    model = Transformer.from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
+    model = from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config)))
     save_file(hf_state_dict(model), str(tmp_path / "model.safetensors"))
-    back = Transformer.from_pretrained(tmp_path, max_seq_len=64)
+    back = from_pretrained(tmp_path, max_seq_len=64)
     assert back.config == model.config
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
     ids = torch.randint(0, VOCAB, (1, 9))

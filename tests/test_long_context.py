@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from pipeline.errors import DraftsmithError
-from runtime.attention import BACKENDS, Causal, attention_mask, causal_mask
-from runtime.cpu_packing import Linear, prefill_products
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer, context_error
+from runtime.target.attention import BACKENDS, Causal, attention_mask, causal_mask
+from runtime.target.cpu_packing import Linear, prefill_products
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import context_error
+from runtime.target.weights import from_pretrained
 
 
 @pytest.mark.parametrize("prefix", [0, 9])
@@ -17,7 +18,7 @@ from runtime.model import Transformer, context_error
 def test_causal_attention_equals_the_masked_one(prefix, dtype, monkeypatch):
     """Causal(prefix) through the flash kernel (two calls merged by log-sum-exp after a prefix) gives what the
     materialised mask gives, grouped-query heads included."""
-    from runtime.attention import sdpa as sdpa_module
+    from runtime.target.attention import sdpa as sdpa_module
 
     flash_calls = []
     causal = sdpa_module.causal_attention
@@ -57,7 +58,7 @@ def test_prefill_in_chunks_gives_the_logits_hidden_states_and_cache_of_one_forwa
     ids = torch.randint(0, 96, (1, 37), generator=torch.Generator().manual_seed(1))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref = hf(ids, output_hidden_states=True)
-    model = Transformer.from_pretrained(path, max_seq_len=64)
+    model = from_pretrained(path, max_seq_len=64)
     cache = model.new_cache()
     logits, hidden = model.prefill(ids, cache, chunk=chunk)
     assert int(cache.lengths[0]) == 37 and logits.shape == (1, 1, 96) and hidden.shape == (1, 37, 64)
@@ -84,7 +85,7 @@ def test_prefill_in_chunks_gives_the_logits_hidden_states_and_cache_of_one_forwa
 
 
 def test_prefill_refuses_a_prompt_beyond_the_cache_before_any_forward(tiny_llama_dir):
-    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=32)
+    model = from_pretrained(tiny_llama_dir, max_seq_len=32)
     cache = model.new_cache(max_len=16)
     with pytest.raises(ValueError, match="a prompt of 17 tokens after 0 cached ones exceeds the cache length 16"):
         model.prefill(torch.zeros(1, 17, dtype=torch.long), cache)
@@ -116,7 +117,7 @@ def test_prefill_products_take_the_fastest_kernel_and_verify_products_stay_exact
     own = []
     small = cpu_gemm.small_linear
     monkeypatch.setattr(cpu_gemm, "small_linear", lambda x, *a: own.append(x.shape[0]) or small(x, *a))
-    monkeypatch.setattr("runtime.cpu_packing.OWN_FP32_KERNEL", True)
+    monkeypatch.setattr("runtime.target.cpu_packing.OWN_FP32_KERNEL", True)
     wide = Linear(8, 4).requires_grad_(False)
     wide.pack()
     calls.clear()
@@ -129,10 +130,10 @@ def test_prefill_products_take_the_fastest_kernel_and_verify_products_stay_exact
 
 @torch.no_grad()
 def test_a_chunked_prefill_keeps_speculation_lossless(tiny_llama_dir, monkeypatch):
-    from runtime.ngram import NgramDrafter
+    from runtime.drafters.ngram import NgramDrafter
 
-    monkeypatch.setattr("runtime.model.PREFILL_CHUNK", 4)
-    target = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    monkeypatch.setattr("runtime.target.model.PREFILL_CHUNK", 4)
+    target = from_pretrained(tiny_llama_dir, max_seq_len=128)
     prompt = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9, 5, 17]
     seq = list(prompt)
     for _ in range(20):  # plain greedy decoding by whole forwards
@@ -152,7 +153,7 @@ def test_context_errors_name_the_length_and_the_limit():
 
 def test_a_target_is_never_loaded_past_its_context(tiny_llama_dir):
     with pytest.raises(ValueError, match="max_seq_len 257 exceeds the model's context of max_position_embeddings=256"):
-        Transformer.from_pretrained(tiny_llama_dir, max_seq_len=257)
+        from_pretrained(tiny_llama_dir, max_seq_len=257)
 
 
 def test_bench_context_lengths():

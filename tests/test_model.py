@@ -3,10 +3,11 @@ import json
 import pytest
 import torch
 
-from runtime.kv_cache import KVCache
-from runtime.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
-from runtime.model import ModelConfig, RMSNorm, Taps, Transformer
-from runtime.tree import DraftTree
+from runtime.target.kv_cache import KVCache
+from runtime.target.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
+from runtime.target.model import ModelConfig, RMSNorm, Taps, Transformer
+from runtime.target.weights import from_pretrained
+from runtime.speculation.tree import DraftTree
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)
@@ -32,7 +33,7 @@ def test_logits_match_transformers(tiny_model_dir, arch, overrides):
     path = tiny_model_dir(arch, **overrides)
     ids = torch.randint(0, 96, (2, 18), generator=torch.Generator().manual_seed(1))
     ref = hf_model(path)(ids).logits
-    model = Transformer.from_pretrained(path, max_seq_len=64)
+    model = from_pretrained(path, max_seq_len=64)
 
     cache = model.new_cache(batch=2)
     logits, hidden = model(ids, cache, positions_for(cache, 18))
@@ -56,7 +57,7 @@ def test_taps_match_transformers_hidden_states_and_attention(tiny_model_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     ref = hf.eval()(ids, output_hidden_states=True, output_attentions=True)
-    model = Transformer.from_pretrained(path, max_seq_len=32)
+    model = from_pretrained(path, max_seq_len=32)
     cache = model.new_cache()
     out = model.run(ids, cache, positions_for(cache, 9), taps=Taps(hidden_layers=(0,), attention_layers=(1,)))
     torch.testing.assert_close(out.layer_hidden[0], ref.hidden_states[1], atol=2e-5, rtol=1e-4)
@@ -69,7 +70,7 @@ def test_taps_match_transformers_hidden_states_and_attention(tiny_model_dir):
 
 @torch.no_grad()
 def test_batch_with_different_lengths_matches_single_sequences(tiny_llama_dir):
-    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64)
+    model = from_pretrained(tiny_llama_dir, max_seq_len=64)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 12)]
     nxt = torch.randint(0, 96, (2, 3), generator=gen)
@@ -120,7 +121,7 @@ def verify_random_tree(model: Transformer, n_prefix: int, n_nodes: int):
 def test_tree_verify_and_compact_equal_plain_decoding(tiny_model_dir, arch, overrides):
     """Each tree node sees the prefix and its ancestors only; after compacting to one path the cache is the
     cache of plain decoding along that path."""
-    model = Transformer.from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
+    model = from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
     prefix, root, tree, cache, (tree_logits, tree_hidden) = verify_random_tree(model, 10, 9)
 
     for node in range(len(tree)):
@@ -178,7 +179,7 @@ def test_kv_cache_rows_view_shares_storage_and_move_row_moves_a_sequence():
 
 
 def test_prompt_longer_than_cache_is_a_clear_error(tiny_llama_dir):
-    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=16)
+    model = from_pretrained(tiny_llama_dir, max_seq_len=16)
     cache = model.new_cache(max_len=8)
     with pytest.raises(ValueError, match="9 new tokens after 0 cached ones exceed the cache length 8"):
         model(torch.zeros(1, 9, dtype=torch.long), cache, torch.arange(9)[None])
@@ -189,7 +190,7 @@ def test_prompt_longer_than_cache_is_a_clear_error(tiny_llama_dir):
 def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path):
     import transformers
 
-    tied = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=32)
+    tied = from_pretrained(tiny_llama_dir, max_seq_len=32)
     assert tied.output.weight is tied.tok_embeddings.weight  # one table, stored once
     assert sum(p.numel() for p in tied.parameters()) == sum(
         p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).parameters())
@@ -197,12 +198,12 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"))
     hf.save_pretrained(tmp_path, max_shard_size="50KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    sharded = Transformer.from_pretrained(tmp_path, max_seq_len=32)
+    sharded = from_pretrained(tmp_path, max_seq_len=32)
     ids = torch.arange(12)[None]
     with torch.no_grad():
         torch.testing.assert_close(sharded(ids, sharded.new_cache(), ids)[0], hf.eval()(ids).logits,
                                    atol=2e-5, rtol=1e-4)
-        bf16 = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16, max_seq_len=32)
+        bf16 = from_pretrained(tmp_path, dtype=torch.bfloat16, max_seq_len=32)
         logits = bf16(ids, bf16.new_cache(), ids)[0]
     assert bf16.rope_cos.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
     # bf16 weights are prepacked only where oneDNN can (AVX-512 or AVX-NE-CONVERT); elsewhere the plain kernel runs
@@ -212,7 +213,7 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
 
 @torch.no_grad()
 def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
-    model = Transformer.from_pretrained(tiny_model_dir("qwen2"), max_seq_len=32)
+    model = from_pretrained(tiny_model_dir("qwen2"), max_seq_len=32)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
@@ -235,8 +236,8 @@ def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypa
     prepacked weight."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    monkeypatch.setattr("runtime.cpu_packing.PACKED_MIN_FP32_ROWS", 4)
-    monkeypatch.setattr("runtime.cpu_packing.OWN_FP32_KERNEL", False)
+    monkeypatch.setattr("runtime.target.cpu_packing.PACKED_MIN_FP32_ROWS", 4)
+    monkeypatch.setattr("runtime.target.cpu_packing.OWN_FP32_KERNEL", False)
     linear = Linear(16, 8).requires_grad_(False)
     linear.pack()
     calls = []
@@ -286,7 +287,7 @@ def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):
     legacy = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "rope_parameters"} | {"rope_theta": 5e5})
     assert legacy.rope_theta == 5e5
     with pytest.raises(ValueError, match="no config.json"):
-        Transformer.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
 
 
 @pytest.mark.slow
@@ -294,7 +295,7 @@ def test_unsupported_configs_are_rejected(tiny_llama_dir, tmp_path):
 def test_smollm2_logits_match_transformers(smollm2_dir):
     ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(5))
     ref = hf_model(smollm2_dir)(ids).logits
-    model = Transformer.from_pretrained(smollm2_dir, max_seq_len=64)
+    model = from_pretrained(smollm2_dir, max_seq_len=64)
     cache = model.new_cache()
     prefill, _ = model(ids[:, :20], cache, positions_for(cache, 20))
     cache.advance(20)
@@ -310,9 +311,9 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
 def test_bf16_tree_verify_equals_one_token_decoding_bit_for_bit(tiny_llama_dir):
     """Greedy speculation in bf16 is lossless only if a node's logits in a tree verify are the very bits a
     one-token decode of the same path gives. The matmuls compute a row the same way whatever the batch; SDPA
-    does not, so attention computes in fp64 (runtime.attention.exact_dtype). With bf16 SDPA instead, 4 of these
+    does not, so attention computes in fp64 (runtime.target.attention.exact_dtype). With bf16 SDPA instead, 4 of these
     24 nodes differ on the 2-core CI CPU."""
-    model = Transformer.from_pretrained(tiny_llama_dir, max_seq_len=160, dtype=torch.bfloat16)
+    model = from_pretrained(tiny_llama_dir, max_seq_len=160, dtype=torch.bfloat16)
     prefix, root, tree, _, (tree_logits, _) = verify_random_tree(model, 100, 24)
 
     differs = []

@@ -3,10 +3,10 @@ import random
 import pytest
 import torch
 
-from runtime.budget import DraftBudget
-from runtime.drafter import Drafter
-from runtime.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
-from runtime.sampling import SamplingParams
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.drafter import Drafter
+from runtime.drafters.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
+from runtime.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 

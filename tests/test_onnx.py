@@ -4,15 +4,15 @@ import torch
 
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from helpers import perturbed
-from runtime.eagle_drafting import EagleStep
-from runtime.model import Transformer
+from runtime.drafters.shared.eagle_drafting import EagleStep
+from runtime.target.weights import from_pretrained
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa
 
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64)
+    return from_pretrained(tiny_llama_dir, max_seq_len=64)
 
 
 def _drafter(target, kind):
@@ -78,7 +78,7 @@ def test_bad_requests_are_refused_with_a_reason(target, tmp_path):
 @pytest.mark.slow
 def test_real_target_eagle_step_passes_parity(smollm2_dir, tmp_path):
     """At SmolLM2 scale logits reach the hundreds: the relative tolerance must hold there, not just on a toy."""
-    model = build_eagle(Transformer.from_pretrained(smollm2_dir, max_seq_len=128), None).eval()
+    model = build_eagle(from_pretrained(smollm2_dir, max_seq_len=128), None).eval()
     path = tmp_path / ONNX_FILE
     export_onnx(model, "eagle", example_inputs(model, "eagle", 2, 4), path)
     parity = check_onnx_parity(model, "eagle", path, example_inputs(model, "eagle", 1, 24, seed=1))

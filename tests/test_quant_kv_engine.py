@@ -1,4 +1,4 @@
-"""Greedy speculation through a quantised KV cache (EngineConfig.kv_scheme, runtime.quant_kv_cache) gives the tokens
+"""Greedy speculation through a quantised KV cache (EngineConfig.kv_scheme, runtime.target.quant_kv_cache) gives the tokens
 of plain greedy decoding through the same scheme, with drafters that keep a KV cache of their own (EAGLE, and an LM
 drafter; the engine stores their caches in the same scheme) and drafters that keep none (n-gram, and an oracle
 proposing the reference continuation among wrong tokens).
@@ -12,13 +12,14 @@ import pytest
 import torch
 from helpers import NoisyOracle, perturbed
 
-from runtime.budget import DraftBudget
-from runtime.eagle_drafting import EagleDrafter
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.drafters.lm import LMDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.ngram import NgramDrafter
-from runtime.quant_kv_cache import SCHEMES, QuantizedKVCache
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import Transformer
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import NgramDrafter
+from runtime.target.quant_kv_cache import SCHEMES, QuantizedKVCache
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 
@@ -38,7 +39,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
-    return Transformer.from_pretrained(tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.15),
+    return from_pretrained(tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.15),
                                        max_seq_len=128)
 
 

@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-from runtime.batch_generate import BatchGenerator, Request
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
+from train.batch_generate import BatchGenerator, Request
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
 from train.recipes import eagle as eagle_recipe
 from train.batches import Batches
 from train.data import TokenizedSet
@@ -20,7 +20,7 @@ from train.shards import done_keys, load_features, merge_shards, save_features
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
     hf = tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.3)
-    return Transformer.from_pretrained(hf, max_seq_len=128)
+    return from_pretrained(hf, max_seq_len=128)
 
 
 def test_batch_generator_equals_one_at_a_time_decoding(target):
@@ -148,7 +148,7 @@ def chat_target(tiny_model_dir, smollm2_dir):
     from transformers import AutoTokenizer
 
     hf = tiny_model_dir("llama", vocab_size=49152, tie_word_embeddings=True, initializer_range=0.3)
-    return Transformer.from_pretrained(hf, max_seq_len=256), AutoTokenizer.from_pretrained(smollm2_dir)
+    return from_pretrained(hf, max_seq_len=256), AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 def conversations(n: int) -> list[list[dict]]:
@@ -169,7 +169,8 @@ STOP = tuple(range(0, 49152, 2))  # a random target rarely says <|im_end|>: ever
 KILLED_RUN = """
 import os, signal, sys, torch
 from transformers import AutoTokenizer
-from runtime.model import Transformer
+from runtime.target.model import Transformer
+from runtime.target.weights import from_pretrained
 from train import shards
 from train.regenerate import regenerate
 sys.path.insert(0, {tests!r})
@@ -180,7 +181,7 @@ def flush_then_die(self):
     if self.next_index == 2:  # killed right after the second shard is on disk
         os.kill(os.getpid(), signal.SIGKILL)
 shards.ShardWriter.flush = flush_then_die
-regenerate(Transformer.from_pretrained({model!r}, max_seq_len=256), AutoTokenizer.from_pretrained({tok!r}),
+regenerate(from_pretrained({model!r}, max_seq_len=256), AutoTokenizer.from_pretrained({tok!r}),
            conversations(10), __import__("pathlib").Path({work!r}), SETTINGS, STOP)
 """
 

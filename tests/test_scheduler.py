@@ -6,18 +6,18 @@ import time
 import pytest
 from helpers import run_concurrently
 
-from runtime.batch_engine import BatchEngine, BatchRequest
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.ngram import NgramDrafter
-from runtime.scheduler import QueueFull, RequestTimedOut, Scheduler, SchedulerError
+from runtime.serving.batch_engine import BatchEngine, BatchRequest
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.drafters.ngram import NgramDrafter
+from runtime.serving.scheduler import QueueFull, RequestTimedOut, Scheduler, SchedulerError
 
 PROMPTS = [[5, 17, 33, 5, 17, 42, 8], [1, 2, 3, 4, 5, 6], [9, 9, 8, 7], [40, 41, 40, 41, 40], [3], [7, 70, 7, 12]]
 
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 def batch1(target, prompt, n):

@@ -18,18 +18,18 @@ from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
 from pipeline.serving import BUDGET_ENV, DEVICE_ENV, budget_source, serve_invocation, serving_device
 from pipeline.sources import target_fingerprint
-from runtime.precision import float_dtype
-from runtime.bundle import BundleError
+from runtime.target.precision import float_dtype
+from runtime.bundle_reader import BundleError
 
 def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int, dtype=torch.float32) -> list[str]:
     """Reference answers: the target alone, greedy, through the same chat template and stop token."""
     from transformers import AutoTokenizer
 
-    from runtime.engine import Engine, EngineConfig
-    from runtime.model import Transformer
+    from runtime.speculation.engine import Engine, EngineConfig
+    from runtime.target.weights import from_pretrained
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    target = Transformer.from_pretrained(target_dir, dtype=dtype)
+    target = from_pretrained(target_dir, dtype=dtype)
     engine = Engine(target, None, EngineConfig(max_seq_len=target.max_seq_len))
     answers = []
     for p in prompts:
@@ -119,10 +119,10 @@ def test_serve_refuses_an_alias_the_registry_lacks(tmp_path):
 def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tmp_path, tiny_chat_target,
                                                                                monkeypatch):
     from export.bundle import write_bundle
-    from runtime.budget import DraftBudget
-    from runtime.bundle import read_bundle
-    from runtime.model import Transformer
-    from runtime.served import served_engine
+    from runtime.speculation.draft_budget import DraftBudget
+    from runtime.bundle_reader import read_bundle
+    from runtime.target.weights import from_pretrained
+    from runtime.serving.served_engine import served_engine
 
     chosen = {"depth": 2, "width": 3, "nodes": 6, "adaptive": False, "lookup": 8, "max_tree": 0}
     (tmp_path / "draft_budget.json").write_text(json.dumps({"chosen": chosen, "sweep": []}))
@@ -130,7 +130,7 @@ def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tm
     write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 4}, None, target_fingerprint="fp", data_digest="d",
                  config={}, code_version="test", extra_files={n: tmp_path / n for n in ("draft_budget.json",
                                                                                          "kv_quant.json")})
-    bundle, target = read_bundle(tmp_path / "b"), Transformer.from_pretrained(tiny_chat_target, max_seq_len=256)
+    bundle, target = read_bundle(tmp_path / "b"), from_pretrained(tiny_chat_target, max_seq_len=256)
     cpu = served_engine(bundle, target, 256).engine.cfg  # on the CPU: as calibrated
     assert (cpu.kv_scheme, cpu.static_verify, cpu.lookup, cpu.budget) == ("int8", False, 8, DraftBudget(2, 3, 6))
     assert cpu.speed_check and not served_engine(bundle, target, 256, speed_check=False).engine.cfg.speed_check
@@ -157,7 +157,7 @@ def test_pyfunc_serves_the_device_candidate_that_runs_fastest_here(tmp_path, tin
     tokens/s served; its tau (from calibrate, made up here) outweighs any step cost. Output stays plain greedy."""
     import mlflow
 
-    from runtime.budget import DraftBudget
+    from runtime.speculation.draft_budget import DraftBudget
 
     chain = {"depth": 1, "width": 1, "nodes": 1, "adaptive": False, "lookup": 0, "max_tree": 0}
     wide = {"depth": 3, "width": 2, "nodes": 6, "adaptive": False, "lookup": 4, "max_tree": 5}
@@ -225,12 +225,12 @@ def test_pyfunc_refuses_a_prompt_beyond_the_served_context_in_one_line(tiny_chat
     from transformers import AutoTokenizer
 
     from pipeline.serving import DraftsmithPyfunc
-    from runtime.engine import Engine, EngineConfig
-    from runtime.model import Transformer
+    from runtime.speculation.engine import Engine, EngineConfig
+    from runtime.target.weights import from_pretrained
 
     model = DraftsmithPyfunc()  # what load_context builds, with a short context (no queue: refused before it)
     model.tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
-    model.engine = Engine(Transformer.from_pretrained(tiny_chat_target, max_seq_len=48), None,
+    model.engine = Engine(from_pretrained(tiny_chat_target, max_seq_len=48), None,
                           EngineConfig(max_seq_len=48))
     model.stop_ids, model.max_new_tokens = (), 8
     n = len(model._prompt_ids("w5 " * 40))

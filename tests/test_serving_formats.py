@@ -4,8 +4,6 @@ import json
 from dataclasses import replace
 
 import pytest
-
-from runtime.model import RMSNorm
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -13,9 +11,10 @@ from torch import nn
 
 from export.engine_formats import write_engine_export
 from helpers import perturbed
-from runtime.draft_head import DraftHead
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle import HOT_TOKENS, KIND, EagleModel
-from runtime.model import Transformer
+from runtime.target.model import RMSNorm
+from runtime.target.weights import from_pretrained
 from train.recipes.eagle import build_eagle
 
 
@@ -32,7 +31,7 @@ def write_sglang_eagle(model: EagleModel, out) -> dict:
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64)
+    return from_pretrained(tiny_llama_dir, max_seq_len=64)
 
 
 def reference_layout(model: EagleModel, seed: int = 0) -> EagleModel:

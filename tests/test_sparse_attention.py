@@ -7,17 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-import runtime.attention.triton_sparse
+import runtime.target.attention.triton_sparse
 from helpers import run_in_triton_interpreter
-from runtime.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
-from runtime.budget import DraftBudget
-from runtime.drafter import Drafter
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
+from runtime.target.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.drafter import Drafter
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
 from runtime.drafters.lm import LMDrafter
-from runtime.model import Taps, Transformer
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree
+from runtime.target.model import Taps
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tree import DraftTree
 from train.recipes import eagle as eagle_recipe
 from train.recipes import lm as lm_recipe
 
@@ -27,7 +28,7 @@ N_LAYERS = 4
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
     # 4 query heads over 2 kv heads: the kept sets are per kv head, shared by its query heads
-    return Transformer.from_pretrained(tiny_model_dir("llama", num_hidden_layers=N_LAYERS, initializer_range=0.3),
+    return from_pretrained(tiny_model_dir("llama", num_hidden_layers=N_LAYERS, initializer_range=0.3),
                                        max_seq_len=128)
 
 
@@ -213,10 +214,10 @@ def test_engine_sparse_verification(target, eagle):
 
 
 def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
-    target = Transformer.from_pretrained(model_dir, max_seq_len=128)
+    target = from_pretrained(model_dir, max_seq_len=128)
     calls, listings = [], []
-    kernel, listing = runtime.attention.triton_sparse.sparse_attention_triton, runtime.attention.triton_sparse.kept_positions
-    runtime.attention.triton_sparse.sparse_attention_triton = lambda *args: calls.append(1) or kernel(*args)
+    kernel, listing = runtime.target.attention.triton_sparse.sparse_attention_triton, runtime.target.attention.triton_sparse.kept_positions
+    runtime.target.attention.triton_sparse.sparse_attention_triton = lambda *args: calls.append(1) or kernel(*args)
     listed = []  # (keys the keep mask spans, the most any kv head keeps)
 
     def listing_spy(keep):
@@ -225,7 +226,7 @@ def check_triton_sparse_verifies_as_sdpa(model_dir: str) -> None:
         listed.append((keep.shape[-1], int(counts.max())))
         return positions, counts
 
-    runtime.attention.triton_sparse.kept_positions = listing_spy
+    runtime.target.attention.triton_sparse.kept_positions = listing_spy
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     config = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3, width=2, nodes=5),
                           sparse=SpecAttnConfig((-1, -1, 0, 0), top_p=0.5, sink=1, recent=2))
@@ -300,7 +301,7 @@ def test_engine_sparse_settings_are_checked(target, eagle):
 def test_sdpa_converts_each_new_mask():
     """The backend converts a forward's mask once for all its layers; the next mask must be converted anew, or
     attention would read the previous one."""
-    from runtime.attention import BACKENDS
+    from runtime.target.attention import BACKENDS
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen),

@@ -1,22 +1,22 @@
-"""The EAGLE drafter's greedy trees at static shapes (runtime/static_draft.py, captured as CUDA graphs on a GPU),
+"""The EAGLE drafter's greedy trees at static shapes (runtime/drafters/shared/eagle_static.py, captured as CUDA graphs on a GPU),
 run eagerly here: the same trees, scores and cache as the eager propose, and through the Engine the same tokens and
 tau."""
 import pytest
 import torch
 
 from helpers import perturbed
-from runtime.budget import DraftBudget
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
-from runtime.static_draft import StaticEagleTree
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
+from runtime.drafters.shared.eagle_static import StaticEagleTree
 from train.recipes.eagle import build_eagle
 
 
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
-    return Transformer.from_pretrained(tiny_llama_dir, max_seq_len=128)
+    return from_pretrained(tiny_llama_dir, max_seq_len=128)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["full-vocab", "reduced-vocab"])

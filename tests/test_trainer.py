@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import train.checkpoint as checkpoint
-from runtime import precision
-from runtime.precision import bf16_is_fast, use_bf16
+from runtime.target import precision
+from runtime.target.precision import bf16_is_fast, use_bf16
 from train.batches import Batches, shard_rows
 from train.data import TokenizedSet
 from train.losses import cross_entropy, topk_accuracy

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from runtime.tree import DraftTree
+from runtime.speculation.tree import DraftTree
 
 
 def _tree(parents: list[int]) -> DraftTree:
@@ -109,8 +109,8 @@ def test_a_tree_is_read_to_the_host_once_and_a_tree_made_there_not_at_all(monkey
     lists (union, best, the lookup branch) never."""
     import dataclasses
 
-    from runtime import tree as tree_module
-    from runtime.verify import verify_greedy
+    from runtime.speculation import tree as tree_module
+    from runtime.speculation.verify import verify_greedy
 
     reads = []
     read = tree_module.HostLists.read

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from helpers import self_distilled_rows
-from runtime.model import Transformer
+from runtime.target.weights import from_pretrained
 from train.recipes import eagle as eagle_recipe
 from train import target_outputs
 from train.recipes.eagle import eagle_loss, simulated_chain
@@ -12,7 +12,7 @@ from train.ttt import unroll
 
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
-    return Transformer.from_pretrained(tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.3),
+    return from_pretrained(tiny_model_dir("llama", tie_word_embeddings=True, initializer_range=0.3),
                                        max_seq_len=128)
 
 
@@ -122,7 +122,7 @@ def test_eagle_loss_equals_the_loss_over_every_row(target, candidates):
 
 @pytest.mark.parametrize("depth", [2, 3])
 def test_unroll_attention_equals_masked_sdpa_and_its_gradients(depth):
-    from runtime.attention import pick_backend
+    from runtime.target.attention import pick_backend
     from train.ttt import ChainKV, unroll_mask
 
     torch.manual_seed(depth)

@@ -14,7 +14,7 @@ from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.validate import (ACCEPTANCE_PNG, PROMPTS_JSONL, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate,
                                time_methods)
-from runtime.bundle import MANIFEST, BundleError
+from runtime.bundle_reader import MANIFEST, BundleError
 from train.data import TokenizedSet
 
 PROMPT_TOKENS = 12
@@ -78,10 +78,10 @@ def test_export_writes_a_manifest_covering_every_file(exported, tiny_llama_dir):
 def _medusa_files(target_dir):
     from safetensors.torch import save_file
 
-    from runtime.model import Transformer
+    from runtime.target.weights import from_pretrained
     from train.recipes.medusa import build_medusa
 
-    heads = build_medusa(Transformer.from_pretrained(target_dir, max_seq_len=64), num_heads=2, keep_ids=None)
+    heads = build_medusa(from_pretrained(target_dir, max_seq_len=64), num_heads=2, keep_ids=None)
     return {"drafter_config.json": lambda p: p.write_text(json.dumps(heads.cfg.to_dict())),
             "drafter.safetensors": lambda p: save_file({k: v.contiguous() for k, v in heads.state_dict().items()},
                                                         str(p))}
@@ -108,9 +108,9 @@ def test_export_copies_calibration_reports_and_checks_onnx(tmp_path, tiny_llama_
 def test_export_ships_the_calibrated_int8_weights_and_the_reader_restores_them(tmp_path, tiny_llama_dir):
     from safetensors.torch import load_file, save_file
 
-    from runtime.bundle import read_bundle
+    from runtime.bundle_reader import read_bundle
     from runtime.drafters import build_drafter
-    from runtime.model import Transformer
+    from runtime.target.weights import from_pretrained
     from runtime.weight_quant import dequantize_state_dict, quantize_state_dict
 
     store = _prepared_store(tmp_path, tiny_llama_dir, _medusa_files(tiny_llama_dir))
@@ -131,7 +131,7 @@ def test_export_ships_the_calibrated_int8_weights_and_the_reader_restores_them(t
     assert bundle.drafter_config["weight_quant"] == "int8" and bundle.manifest["onnx"]["parity"]["passed"]
     stored = bundle.tensors()
     assert any(k.endswith(".qweight") for k in stored) and all(torch.equal(stored[k], packed[k]) for k in packed)
-    drafter = build_drafter(bundle, Transformer.from_pretrained(tiny_llama_dir, max_seq_len=64), 64)
+    drafter = build_drafter(bundle, from_pretrained(tiny_llama_dir, max_seq_len=64), 64)
     restored = dequantize_state_dict(packed, "int8")
     served = drafter.heads.state_dict()
     assert all(torch.equal(served[k], restored[k]) for k in restored)  # the bundle's codes, not distill's weights
@@ -271,8 +271,8 @@ def test_validate_also_measures_the_configured_tree_beside_the_served_budget(tmp
 
 
 def test_validate_fails_the_gate_when_speculation_changes_greedy_output(exported, tiny_llama_dir, monkeypatch):
-    import runtime.engine as engine_module
-    from runtime.verify import Verdict
+    import runtime.speculation.engine as engine_module
+    from runtime.speculation.verify import Verdict
     verify = engine_module.verify
 
     def bonus_from_the_row_before(tree, logits, params, generator=None):

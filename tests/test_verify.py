@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-import runtime.verify as verify_module
+import runtime.speculation.verify as verify_module
 from helpers import assert_first_tokens_match, chi_square, chi_square_critical
-from runtime.sampling import SamplingParams, sample, warp
-from runtime.tree import DraftTree
-from runtime.verify import Verdict, draw_children, verify, verify_greedy, verify_sampling
+from runtime.speculation.sampling import SamplingParams, sample, warp
+from runtime.speculation.tree import DraftTree
+from runtime.speculation.verify import Verdict, draw_children, verify, verify_greedy, verify_sampling
 
 GREEDY = SamplingParams()
 V = 6

@@ -5,9 +5,9 @@ import torch
 from helpers import assert_first_tokens_match
 from test_verify import GREEDY, SAMPLE, TRIALS, V
 
-from runtime.sampling import SamplingParams, sample, warp
-from runtime.tree import DraftTree
-from runtime.verify import draw_children, verify_batch, verify_greedy
+from runtime.speculation.sampling import SamplingParams, sample, warp
+from runtime.speculation.tree import DraftTree
+from runtime.speculation.verify import draw_children, verify_batch, verify_greedy
 
 def _draw_tree(widths: list[int], draft: list, params: SamplingParams, gen) -> tuple[DraftTree, list[tuple]]:
     """A tree drawn breadth-first from the draft tables (as _simulate draws it), and each row's prefix."""

@@ -2,7 +2,7 @@
 (flashinfer 0.7.2.post1: argument order, shapes, the HND paged layout, the flattened custom mask, the per-kv-head
 block map). flashinfer's kernels need a GPU; this lets the tests run the backend's calls on the CPU and check what it
 passes. Each wrapper counts its plans. Attention is computed in fp64, as the sdpa backend computes half precision on
-the CPU (runtime.attention.exact_dtype), so the two round to the same bf16 results."""
+the CPU (runtime.target.attention.exact_dtype), so the two round to the same bf16 results."""
 from __future__ import annotations
 
 import torch

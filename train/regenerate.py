@@ -5,7 +5,7 @@ not on whatever model wrote the dataset. Turns are regenerated in order: the ans
 the conversation with turns < k already regenerated, and the next user turn follows it. A conversation ends at
 its last assistant turn, at an answer cut by the length budget, or when the next prompt leaves no room.
 
-Work is continuous-batched on the target (runtime.batch_generate) and written to resumable shards
+Work is continuous-batched on the target (train.batch_generate) and written to resumable shards
 (train.shards): a killed prepare is rerun and continues where it stopped.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runtime.batch_generate import BatchGenerator, Completion, Request
-from runtime.model import Taps, Transformer
-from runtime.sampling import SamplingParams
+from train.batch_generate import BatchGenerator, Completion, Request
+from runtime.target.model import Taps, Transformer
+from runtime.speculation.sampling import SamplingParams
 from train.data import TokenizedSet, tokenize_prompt
 from train.shards import Row, ShardWriter, done_keys, feature_bytes
 

@@ -5,7 +5,7 @@ each written atomically; a killed run is rerun and skips every key already in a 
 yields the rows in key order, so the result does not depend on where a run was interrupted.
 
 The feature cache stores the target's final-norm hidden state for every token of a split, then the residual streams
-entering the layers a drafter kind reads (runtime.model.ForwardOutput.with_streams; the layers are in each file's
+entering the layers a drafter kind reads (runtime.target.model.ForwardOutput.with_streams; the layers are in each file's
 metadata), fp16, flat and aligned with `TokenizedSet.input_ids` (same offsets), in files of about `SHARD_BYTES`.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from runtime.model import Taps, Transformer
+from runtime.target.model import Taps, Transformer
 from train.losses import topk_accuracy
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.attention import pick_backend
-from runtime.eagle_drafting import EagleBase
+from runtime.target.attention import pick_backend
+from runtime.drafters.shared.eagle_drafting import EagleBase
 
 
 MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the default's is ~42 MB)
@@ -24,7 +24,7 @@ MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the 
 
 class ChainKV:
     """KVCache stand-in for the unroll: each depth's keys are appended out of place (autograd-safe), and its
-    attention (`attend`, which runtime.model.Attention calls in place of the backend) uses the mask's structure."""
+    attention (`attend`, which runtime.target.model.Attention calls in place of the backend) uses the mask's structure."""
 
     def __init__(self):
         self.k: Tensor | None = None

@@ -4,7 +4,7 @@ How big a tree pays depends on the drafter's acceptance and on what the hardware
 a deeper draft: on a 2-core CPU a wide verify costs well over a one-token decode, so a drafter accepting half its
 nodes per depth is fastest with a small tree, and slower than plain decoding with a wide one. The fastest budget
 that clears validate's gate (tau and speedup) becomes draft_budget.json, which export ships and validate and serving
-read (runtime.served). Both floors matter: the fastest budget on the CPU is often a one-token chain, whose tau (at
+read (runtime.serving.served_engine). Both floors matter: the fastest budget on the CPU is often a one-token chain, whose tau (at
 most 2) may fall below gate.min_tau when a larger tree's would not, and for a weak drafter the only tree whose tau
 clears the floor with room to spare may be slower than plain decoding.
 
@@ -22,7 +22,7 @@ long the reply grows, and fewer or shorter prompts picked worse budgets (docs/cp
 
 A GPU wants a bigger tree than the CPU (a wider verify costs it little more), and tau does not depend on the device:
 so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their replayed
-tau on every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.device_budget).
+tau on every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.serving.device_budget).
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from tqdm import tqdm
 
 from export.calibrate.predict import could_win, predict_budgets
 from export.calibrate.replay import reference
-from runtime.budget import DraftBudget, ServedBudget
-from runtime.decode_stats import tokens_per_forward
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import Transformer
+from runtime.speculation.sampling import SamplingParams
 
 # (depth, width, nodes): chains and small trees up to the configured budget, which is also tried adaptively
 LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 4, 16))
@@ -48,8 +48,8 @@ LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 
 # the drafter's and the lookup's
 TREE_CAPS = {5: range(2, 7), 11: range(4, 13)}
 # (depth, width, nodes, max_tree) trees a GPU may prefer, whose tau calibrate measures on every prompt for the
-# serving device to time (runtime.device_budget): a GPU verifies a bucket of rows at about one cost
-# (runtime.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
+# serving device to time (runtime.serving.device_budget): a GPU verifies a bucket of rows at about one cost
+# (runtime.speculation.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
 DEVICE_LADDER = ((2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0))
 PROMPTS_PER_ROUND = 2  # successive halving: every candidate runs the first 2 prompts, the better half 2 more, ...
 PREDICTION_MARGIN = 0.1  # a candidate is timed if it could win running this much faster than predicted

@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 from export.calibrate.specattn import next_token_nll, perplexity
 from export.calibrate.timing import interleaved_ms
-from runtime.bundle import KV_QUANT, NO_KV_QUANT
-from runtime.drafter import Drafter
-from runtime.model import Transformer
-from runtime.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
-from runtime.tau_probe import TauProbe
+from runtime.bundle_reader import KV_QUANT, NO_KV_QUANT
+from runtime.speculation.drafter import Drafter
+from runtime.target.model import Transformer
+from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
+from runtime.speculation.tau_probe import TauProbe
 
 
 @torch.inference_mode()

@@ -17,9 +17,9 @@ from tqdm import tqdm
 
 from export.calibrate.replay import Reference, ReplayTarget, replay
 from export.calibrate.timing import verify_ms
-from runtime.budget import ServedBudget
-from runtime.engine import Engine
-from runtime.model import Transformer
+from runtime.speculation.draft_budget import ServedBudget
+from runtime.speculation.engine import Engine
+from runtime.target.model import Transformer
 
 
 def predict(replayed: dict, costs: dict[int, float], prefill_s: float) -> dict:

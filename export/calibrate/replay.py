@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.decode_stats import tokens_per_forward
-from runtime.engine import Engine
-from runtime.kv_cache import KVCache
-from runtime.model import Taps, Transformer
-from runtime.sampling import SamplingParams
+from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.engine import Engine
+from runtime.target.kv_cache import KVCache
+from runtime.target.model import Taps, Transformer
+from runtime.speculation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

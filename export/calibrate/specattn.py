@@ -3,7 +3,7 @@
 The layer map compares, on calibration rows, every target layer's attention with each draft layer's: the EAGLE
 block's, or each layer of an `lm` drafter (export.layer_map). Each top_p is then measured for real, not through a
 proxy: the KV reads saved and the target perplexity change come from teacher-forced forwards over the same rows in
-which every query reads only the keys that the drafter's attention selects (runtime.attention.kept_keys, as the
+which every query reads only the keys that the drafter's attention selects (runtime.target.attention.kept_keys, as the
 engine does at each verify), and tau from greedy speculative generation with the engine verifying sparsely. The
 largest saving whose perplexity increase stays within calibrate.ppl_tolerance becomes specattn.json, which export
 carries into the bundle.
@@ -26,10 +26,10 @@ from torch import nn
 from tqdm import tqdm
 
 from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
-from runtime.attention import SpecAttnConfig, kept_keys, kv_reads
-from runtime.drafter import Drafter, DrafterKind
-from runtime.model import Taps, Transformer
-from runtime.tau_probe import TauProbe
+from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads
+from runtime.speculation.drafter import Drafter, DrafterKind
+from runtime.target.model import Taps, Transformer
+from runtime.speculation.tau_probe import TauProbe
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
 

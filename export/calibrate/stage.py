@@ -16,13 +16,13 @@ from export.calibrate.budget import calibrate_budget
 from export.calibrate.kv import calibrate_kv
 from export.calibrate.specattn import calibrate_specattn
 from export.calibrate.weights import calibrate_quant
-from runtime.budget import ServedBudget
-from runtime.bundle import KV_QUANT, kv_engine_fields
+from runtime.speculation.draft_budget import ServedBudget
+from runtime.bundle_reader import KV_QUANT, kv_engine_fields
 from runtime.drafters import drafter_module, get_kind, served_drafter
-from runtime.model import Transformer
-from runtime.ngram import load_corpus
-from runtime.precision import float_dtype
-from runtime.tau_probe import TauProbe
+from runtime.target.model import Transformer
+from runtime.drafters.ngram import load_corpus
+from runtime.target.precision import float_dtype
+from runtime.speculation.tau_probe import TauProbe
 
 NOT_APPLICABLE = "not applicable"
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from runtime.device import synchronizer
-from runtime.model import Transformer
+from runtime.target.model import Transformer
 
 
 def interleaved_ms(calls: dict[Hashable, Callable[[], object]], device: torch.device, rounds: int, steps: int,

@@ -2,7 +2,7 @@
 batches of N prompts (HF's left-padded), in one process; plus each batch's batch-1 greedy decode, which every
 greedy batched row must equal token for token.
 
-The prompts go in groups of N, each group a batch every method runs back to back (runtime.batch_engine for ours:
+The prompts go in groups of N, each group a batch every method runs back to back (runtime.serving.batch_engine for ours:
 each row drafts, verifies and stops on its own), so a host that slows down slows all alike. Throughput is new
 tokens over wall time, prefill included.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from pipeline.bench.harness import Speculation, device_name, interleaved
-from runtime.batch_engine import BatchEngine, BatchRequest
-from runtime.decode_stats import tokens_per_forward
-from runtime.engine import Engine, EngineConfig
-from runtime.model import Transformer
-from runtime.served import batch_config
-from runtime.tokens import encode, stop_ids
+from runtime.serving.batch_engine import BatchEngine, BatchRequest
+from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.weights import from_pretrained
+from runtime.serving.served_engine import batch_config
+from pipeline.tokens import encode, stop_ids
 
 POLICIES = ("fixed", "measured")
 
@@ -56,7 +56,7 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
     prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
     max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0) + 1
-    target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
     served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
     cfg, note = batch_config(served.eager_config) if served else (EngineConfig(max_seq_len=max_seq_len), "")
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()

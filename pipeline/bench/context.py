@@ -16,10 +16,11 @@ import torch
 
 from pipeline.bench.harness import Speculation, device_name, hf_generate, interleaved
 from pipeline.errors import DraftsmithError
-from runtime.engine import Engine, EngineConfig
-from runtime.model import ModelConfig, Transformer, context_error
-from runtime.sampling import SamplingParams
-from runtime.tokens import stop_ids
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.model import ModelConfig, context_error
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
+from pipeline.tokens import stop_ids
 
 MAX = "max"  # --context: the longest prompt the model's context holds with max_new_tokens after it
 QUESTION = "Summarise the document above in a few sentences, then name its main topic."
@@ -96,7 +97,7 @@ def run_context_bench(target_dir: str | Path, spec: str, speculation: Speculatio
     prompts = [document_prompt(tokenizer, n, documents) for n in lengths]
     stops, params = stop_ids(tokenizer), SamplingParams()
     max_seq_len = min(limit, max(lengths) + max_new_tokens + (speculation.longest if speculation else 0) + 1)
-    target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
     served = speculation.build(target, max_seq_len, prompts[0][:64]) if speculation else None
     cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()

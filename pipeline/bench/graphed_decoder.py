@@ -2,13 +2,13 @@
 baseline (`ours_ar_graph`). At small model sizes a GPU decode step is bound by kernel launches, not by the weights
 it streams; capturing the whole step -- the forward, argmax, and feeding the argmax back as the next input -- turns
 it into one launch with no host synchronisation between tokens. The step attends over a static key span of the
-cache (runtime.cuda_graphs.key_span), a graph per span. CUDA only; importing this module needs no GPU."""
+cache (runtime.speculation.cuda_graphs.key_span), a graph per span. CUDA only; importing this module needs no GPU."""
 from __future__ import annotations
 
 import torch
 
-from runtime.cuda_graphs import capture, compile_step, key_span, require_cuda
-from runtime.model import Transformer
+from runtime.speculation.cuda_graphs import capture, compile_step, key_span, require_cuda
+from runtime.target.model import Transformer
 
 STOP_CHECK = 16  # the decoder looks for a stop token every this many tokens: each look waits for the device
 

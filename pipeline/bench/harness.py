@@ -17,16 +17,17 @@ import torch
 from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
-from runtime.attention import pick_backend
-from runtime.decode_stats import tokens_per_forward
+from runtime.target.attention import pick_backend
+from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.device import synchronizer
-from runtime.device_budget import describe
-from runtime.drafter import Drafter
-from runtime.engine import Engine, EngineConfig, Generation
-from runtime.model import ModelConfig, Transformer, context_error
-from runtime.sampling import SamplingParams
-from runtime.served import ServedEngine, static_verify_config
-from runtime.tokens import encode, stop_ids
+from runtime.serving.device_budget import describe
+from runtime.speculation.drafter import Drafter
+from runtime.speculation.engine import Engine, EngineConfig, Generation
+from runtime.target.model import ModelConfig, Transformer, context_error
+from runtime.target.weights import from_pretrained
+from runtime.speculation.sampling import SamplingParams
+from runtime.serving.served_engine import ServedEngine, static_verify_config
+from pipeline.tokens import encode, stop_ids
 Method = Callable[[list[int], torch.Generator], tuple[list[int], "Generation | None"]]
 
 
@@ -66,7 +67,7 @@ def weight_bytes_per_token(model: Transformer) -> int:
 @dataclass(frozen=True)
 class Speculation:
     """What the speculative rows run: `build(target, max_seq_len, probe_prompt)` gives the served engine (a bundle's
-    through runtime.served.served_engine, which may time the device's budgets on the probe prompt)."""
+    through runtime.serving.served_engine.served_engine, which may time the device's budgets on the probe prompt)."""
     label: str  # the report's "drafter"
     longest: int  # most draft nodes a verify may hold, lookup branch included: the cache's room for them
     build: Callable[[Transformer, int, list[int]], ServedEngine]
@@ -90,7 +91,7 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     limit = fitting_context(target_dir, prompt_ids, max_new_tokens)
     max_seq_len = min(limit, max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0)
                       + 1)  # near the limit, draft trees shrink to the room left
-    target = Transformer.from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
     with_graphs = graphs and target.device.type == "cuda"
     served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
     cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
@@ -149,7 +150,7 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
                   drafter: Callable[[], Drafter] | None, max_new_tokens: int, params: SamplingParams,
                   stops: tuple[int, ...], compiled: bool = False) -> list[str]:
     """Add the CUDA-graph rows to `methods`: `ours_ar_graph` (greedy decode, the one-token step one graph replay;
-    runtime.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every verify
+    runtime.speculation.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every verify
     size a graph: EngineConfig.static_verify). With `compiled`, both again as `..._compiled`, each step fused by
     torch.compile before capture (EngineConfig.compile_static); they compile during measure's warm-up. Returns
     notes on the rows: why one was left out or differs."""

@@ -2,11 +2,11 @@
 
 No checkpoint is needed, so it runs where no weights can be carried (the lent GPU machine has no network): our
 Transformer is built from a named config with random weights, the HF LlamaForCausalLM from the same config gets
-the same weights (runtime.hf_weights.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same random
+the same weights (runtime.target.weights.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same random
 prompts:
   hf_generate     HF transformers `generate`, greedy (DynamicCache, sdpa attention)
   ours_ar         our Engine without a drafter (eager PyTorch)
-  ours_ar_graph   our greedy decode with the one-token step captured in a CUDA graph (runtime.cuda_graphs)
+  ours_ar_graph   our greedy decode with the one-token step captured in a CUDA graph (runtime.speculation.cuda_graphs)
   ours_spec       our Engine with `ReplayDrafter`: a chain drafter replaying a configured acceptance pattern
   ours_spec_graph the same with each verify size captured in a CUDA graph (EngineConfig.static_verify)
   ..._compiled    with --compile: the two graph rows again, each step fused by torch.compile before capture
@@ -25,12 +25,12 @@ import torch
 from tqdm import tqdm
 
 from pipeline.flags import Parser, bounded
-from runtime import cuda_graphs
-from runtime.budget import DraftBudget
-from runtime.drafter import Drafter
-from runtime.hf_weights import hf_causal_lm
-from runtime.model import ModelConfig, Transformer, rope_tables
-from runtime.tree import DraftTree
+from runtime.speculation import cuda_graphs
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.drafter import Drafter
+from runtime.target.weights import hf_causal_lm
+from runtime.target.model import ModelConfig, Transformer, rope_tables
+from runtime.speculation.tree import DraftTree
 
 RANDOM_CONFIGS: dict[str, dict] = {
     "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M(-Instruct) shape
@@ -121,8 +121,8 @@ def run_random_bench(name: str, n_prompts: int = 5, max_new_tokens: int = 128, *
                      graphs: bool = True, compiled: bool = False, seed: int = 0, print_table: bool = True) -> dict:
     from pipeline.bench.harness import (copy_bandwidth, device_name, engine_method, fraction_of_floor, graph_methods,
                                         hf_generate, measure, print_report, weight_bytes_per_token)
-    from runtime.engine import Engine, EngineConfig
-    from runtime.sampling import SamplingParams
+    from runtime.speculation.engine import Engine, EngineConfig
+    from runtime.speculation.sampling import SamplingParams
 
     vocab = RANDOM_CONFIGS[name]["vocab_size"]
     prompts = random_prompts(vocab, n_prompts, seed)
@@ -211,7 +211,7 @@ def step_tool_parser(description: str):
     ap.add_argument("--cache-len", type=int, default=0,
                     help="the KV caches' length (default: what the steps need; serving allocates the target's "
                          "whole context: 4096 tokens for SmolLM2)")
-    ap.add_argument("--min-span", type=int, help="the static steps' smallest key span (runtime.cuda_graphs.MIN_SPAN); "
+    ap.add_argument("--min-span", type=int, help="the static steps' smallest key span (runtime.speculation.cuda_graphs.MIN_SPAN); "
                     "the cache's length attends over the whole cache, as static steps did before key spans")
     ap.add_argument("--out", help="write the result as JSON here")
     return ap

@@ -4,7 +4,7 @@ EAGLE drafter's graphed tree at each budget. The cost model for choosing a draft
 A speculative step with budget B costs about draft(B) + verify(bucket of 1 + B's verify nodes) + rollback, and
 commits tau(B) tokens, so speculation runs tau(B) x decode / step times the graphed decode. tau(B) does not depend
 on the device (fp32 greedy): calibrate's device_candidates, or `pipeline bench --budget B`, measure it on the CPU.
-Serving does not use this model: it times whole steps of the candidates on its device (runtime.device_budget).
+Serving does not use this model: it times whole steps of the candidates on its device (runtime.serving.device_budget).
 On the CPU, where nothing is captured, this times the same steps run eagerly.
 
     python -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 [--compile] [--out costs.json]
@@ -19,13 +19,13 @@ import torch
 
 from pipeline.bench.harness import device_name
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
-from runtime.cuda_graphs import BUCKETS, StaticVerifier
+from runtime.speculation.cuda_graphs import BUCKETS, StaticVerifier
 from runtime.device import synchronizer
-from runtime.draft_head import DraftHead
-from runtime.budget import ServedBudget
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.speculation.draft_budget import ServedBudget
 from runtime.drafters.eagle import EagleModel
 from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
-from runtime.static_draft import StaticEagleTree
+from runtime.drafters.shared.eagle_static import StaticEagleTree
 
 BUDGETS = ("1x3/3", "2x1", "2x3/6", "3x3/9", "4x4/16", "6x4/24")
 PENDING = 3  # pairs a propose commits to the drafter cache first: the last step's accepted path and bonus token

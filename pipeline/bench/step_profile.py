@@ -21,11 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.bench.harness import device_name
-from runtime.draft_head import DraftHead
-from runtime.budget import ServedBudget
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.speculation.draft_budget import ServedBudget
 from runtime.drafters.eagle import EagleModel
-from runtime.eagle_drafting import EagleDrafter
-from runtime.engine import Engine, EngineConfig
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.engine import Engine, EngineConfig
 from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
 
 VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",

@@ -1,4 +1,5 @@
-"""The drafter kinds, one module each in this package (its `KIND`, a runtime.drafter.DrafterKind), found by name.
+"""The drafter kinds, one module each in this package (its `KIND`, a runtime.speculation.drafter.DrafterKind), found by
+name; `shared/` holds the code several kinds use (the draft head, EAGLE drafting, batched drafting).
 
 distill saves what `drafter_config`/`drafter_tensors` give, calibrate rebuilds modules with `drafter_module`, and
 the bundle reader (`build_drafter`) goes through the same two functions, so what is measured is what is served;
@@ -13,9 +14,9 @@ from functools import cache
 import torch
 from torch import nn
 
-from runtime.bundle import Bundle, BundleError
-from runtime.drafter import Drafter, DrafterKind
-from runtime.model import Transformer
+from runtime.bundle_reader import Bundle, BundleError
+from runtime.speculation.drafter import Drafter, DrafterKind
+from runtime.target.model import Transformer
 from runtime.weight_quant import dequantize_state_dict
 
 DRAFT_VOCAB = "draft_vocab"  # tensor name of the reduced draft vocabulary (target token ids), if any
@@ -24,8 +25,8 @@ TREE_ROOM = 64  # drafter positions beyond the target's length by default: room 
 
 
 def kind_names() -> tuple[str, ...]:
-    """Every kind, by its module's name (nothing is imported)."""
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__)))
+    """Every kind, by its module's name (nothing is imported); `shared/` holds code several kinds use."""
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg))
 
 
 @cache

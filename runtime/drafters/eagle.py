@@ -1,6 +1,6 @@
 """EAGLE-1/2 drafter: one decoder block over fc([token embedding; feature]), predicting the next feature (the
 target's final hidden state); the target's frozen lm_head (optionally a reduced draft vocabulary) turns features into
-tokens. The pair layout, the Drafter and the ONNX step are runtime/eagle_drafting.py's.
+tokens. The pair layout, the Drafter and the ONNX step are runtime/drafters/shared/eagle_drafting.py's.
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.cpu_packing import Linear
-from runtime.draft_head import DraftHead
-from runtime.drafter import EngineExport
-from runtime.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
-from runtime.hf_weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
-from runtime.model import Block, ModelConfig, Transformer
+from runtime.target.cpu_packing import Linear
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.speculation.drafter import EngineExport
+from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
+from runtime.target.weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
+from runtime.target.model import Block, ModelConfig, Transformer
 
 
 @dataclass(frozen=True)

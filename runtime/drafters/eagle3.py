@@ -2,7 +2,7 @@
 L-3) fused by fc (3H -> H), one decoder layer whose q/k/v read [norm(token embedding); norm(fused)] (2H), and a
 trained head (final norm + lm_head over a reduced draft vocabulary) that predicts tokens, not features. Tree nodes
 carry the layer's own output in place of the fused streams (training-time test). The pair layout and the Drafter are
-runtime/eagle_drafting.py's.
+runtime/drafters/shared/eagle_drafting.py's.
 
 Layer ids here are the residual stream *entering* a layer, as vLLM and speculators count; SGLang and SpecForge count
 a layer's *output* (id - 1). Each engine format is written in its own convention: off by one, acceptance drops
@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.cpu_packing import Linear
-from runtime.draft_head import DraftHead
-from runtime.drafter import EngineExport
-from runtime.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
-from runtime.hf_weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
-from runtime.model import Block, ModelConfig, RMSNorm, Transformer
+from runtime.target.cpu_packing import Linear
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.speculation.drafter import EngineExport
+from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
+from runtime.target.weights import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
+from runtime.target.model import Block, ModelConfig, RMSNorm, Transformer
 
 AUX = 3  # low, middle and high streams
 

@@ -15,14 +15,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from runtime.draft_head import DraftHead
-from runtime.budget import DraftBudget
-from runtime.drafter import Drafter, DrafterKind
-from runtime.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
-from runtime.cpu_packing import pack_for_cpu
-from runtime.model import ModelConfig, RopeScaling, Taps, Transformer
-from runtime.sampling import SamplingParams
-from runtime.tree import DraftTree
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.drafter import Drafter, DrafterKind
+from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
+from runtime.target.cpu_packing import pack_for_cpu
+from runtime.target.model import ModelConfig, RopeScaling, Taps, Transformer
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class LMKind(DrafterKind):
         return torch.stack([o.attention[i][0] for i in taps.attention_layers])
 
     def hf_assistant(self, drafter):
-        from runtime.hf_weights import hf_causal_lm
+        from runtime.target.weights import hf_causal_lm
 
         return hf_causal_lm(drafter.model)
 

@@ -1,9 +1,217 @@
-"""The n-gram drafter kind: no weights, it drafts what followed the current context before (runtime.ngram)."""
+"""N-gram drafter (prompt lookup / Lookahead style): no weights, drafts what followed the current context before.
+
+A trie holds every substring of the committed sequence up to `max_ngram + max_depth` tokens long, with how
+often it occurs. The node of the longest recent suffix (up to max_ngram tokens) that has a continuation is the
+match; its subtree is a tree of continuations with their counts, and propose() takes the most frequent of them
+best-first within the budget. Appending a token extends only the suffix nodes it already tracks, so the cost
+per committed token is O(max_ngram + max_depth), independent of the sequence length.
+
+A `corpus` (`NgramDrafter.corpus`: a frozen trie of other token spans, such as the target's own answers to the
+training prompts) is where propose() looks when the sequence itself has no match, as REST retrieves drafts from a
+datastore: a small target's answers share many phrases, and the corpus holds them before the sequence does.
+"""
 from __future__ import annotations
 
-from runtime.drafter import DrafterKind
-from runtime.ngram import NgramDrafter
+import heapq
+import itertools
+import math
+from collections.abc import Iterator
+from pathlib import Path
 
+import torch
+
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.drafter import Drafter, DrafterKind
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tree import DraftTree
+
+
+# How likely a continuation node is accepted, for DraftTree.scores: P(depth d) ~ FIRST * NEXT^(d-1), as measured on
+# held-out conversations of the default target (docs/cpu.md)
+FIRST_ACCEPT, NEXT_ACCEPT = 0.61, 0.87
+# The same for a corpus continuation where the sequence had no match
+CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT = 0.55, 0.7
+MAX_NGRAM = 4  # longest suffix matched, by default
+
+
+def depth_score(depth: int, first: float = FIRST_ACCEPT, later: float = NEXT_ACCEPT) -> float:
+    return math.log(first) + (depth - 1) * math.log(later)
+
+
+def answer_spans(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor,
+                 context: int = MAX_NGRAM) -> list[torch.Tensor]:
+    """Every run of loss-masked tokens (an answer) of the rows a flat (input_ids, loss_mask, offsets) set holds,
+    each with up to `context` tokens before it in its row, so an answer's opening matches its turn header."""
+    spans, zero = [], torch.zeros(1, dtype=torch.int32)
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        edges = torch.diff(loss_mask[a:b].bool().int(), prepend=zero, append=zero)
+        starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+        spans += [input_ids[a + max(0, s - context):a + e].long() for s, e in zip(starts, ends)]
+    return spans
+
+
+def save_corpus(path: Path, spans: list[torch.Tensor], vocab_size: int) -> None:
+    """A corpus's spans as safetensors (flat int32 tokens + offsets; the vocabulary size in the metadata)."""
+    from safetensors.torch import save_file
+
+    lengths = torch.tensor([0] + [s.numel() for s in spans], dtype=torch.int64)
+    tokens = torch.cat(spans).int() if spans else torch.zeros(0, dtype=torch.int32)
+    save_file({"tokens": tokens, "offsets": lengths.cumsum(0)}, str(path), metadata={"vocab_size": str(vocab_size)})
+
+
+def load_corpus(path: Path, max_depth: int) -> NgramDrafter:
+    """The corpus trie of a file save_corpus wrote, holding continuations up to `max_depth` tokens."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        vocab_size, tokens, offsets = int(f.metadata()["vocab_size"]), f.get_tensor("tokens"), f.get_tensor("offsets")
+    bounds = offsets.tolist()
+    return NgramDrafter.corpus(vocab_size, [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                               max_depth=max_depth)
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM, max_depth: int = 8, min_ngram: int = 1,
+                 corpus: NgramDrafter | None = None):
+        for name, v in (("vocab_size", vocab_size), ("max_ngram", max_ngram), ("max_depth", max_depth),
+                        ("min_ngram", min_ngram)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"NgramDrafter: {name}={v!r}, expected an int >= 1")
+        if min_ngram > max_ngram:
+            raise ValueError(f"NgramDrafter: min_ngram={min_ngram} > max_ngram={max_ngram}")
+        if corpus is not None and (not isinstance(corpus, NgramDrafter) or corpus.vocab_size != vocab_size):
+            raise ValueError(f"NgramDrafter: corpus={corpus!r}, expected an NgramDrafter of vocab_size {vocab_size}")
+        self.vocab_size, self.corpus = vocab_size, corpus
+        self.max_ngram, self.max_depth, self.min_ngram = max_ngram, max_depth, min_ngram
+        self._device = torch.device("cpu")  # trees go where reset's tokens live (the engine's device)
+        self._window = max_ngram + max_depth  # a matched context plus its longest continuation
+        self._clear()
+
+    def _clear(self) -> None:
+        # Node 0 is the empty string. Flat int lists and one int-keyed dict rather than a dict per node: the trie
+        # grows by up to `window` nodes per token, and that many container objects gave 0.2 s GC pauses.
+        self._edges: dict[int, int] = {}  # node * vocab_size + token -> child
+        self._token: list[int] = [-1]
+        self._first_child: list[int] = [-1]  # children as a linked list, newest first
+        self._next_sibling: list[int] = [-1]
+        self._count: list[int] = [0]  # occurrences of the node's string in the sequence
+        self._last: list[int] = [0]  # end of its latest occurrence: ties in count go to the most recent
+        self._suffixes: list[int] = []  # _suffixes[L-1] = node of the last L committed tokens, L <= window
+        self._tail: list[int] = []  # the last max_ngram committed tokens, to match in the corpus
+        self._length = 0
+
+    @staticmethod
+    def corpus(vocab_size: int, spans: list[torch.Tensor], max_ngram: int = MAX_NGRAM, max_depth: int = 8,
+               min_ngram: int = 2) -> NgramDrafter:
+        """A trie of every substring within one of `spans`, to pass as another drafter's `corpus`: its
+        continuations of at least `min_ngram` matched tokens are proposed where that drafter's sequence has none."""
+        trie = NgramDrafter(vocab_size, max_ngram, max_depth, min_ngram)
+        for span in spans:
+            trie._suffixes = []  # no substring across two spans
+            trie._append(span)
+        return trie
+
+    def _append(self, tokens: torch.Tensor) -> None:
+        if tokens.dim() != 1:
+            raise ValueError(f"NgramDrafter: tokens of shape {tuple(tokens.shape)}, expected [m]")
+        values = tokens.tolist()
+        if values and not (0 <= min(values) and max(values) < self.vocab_size):
+            raise ValueError(f"NgramDrafter: token ids in [{min(values)}, {max(values)}], expected "
+                             f"[0, {self.vocab_size})")
+        for token in values:
+            self._length += 1
+            extended = []
+            for node in [0, *self._suffixes[: self._window - 1]]:
+                key = node * self.vocab_size + token
+                child = self._edges.get(key)
+                if child is None:
+                    child = self._edges[key] = len(self._count)
+                    self._token.append(token)
+                    self._next_sibling.append(self._first_child[node])
+                    self._first_child[node] = child
+                    self._first_child.append(-1)
+                    self._count.append(0)
+                    self._last.append(0)
+                self._count[child] += 1
+                self._last[child] = self._length
+                extended.append(child)
+            self._suffixes = extended
+        self._tail = (self._tail + values[-self.max_ngram:])[-self.max_ngram:]
+
+    def _children(self, node: int) -> Iterator[int]:
+        child = self._first_child[node]
+        while child >= 0:
+            yield child
+            child = self._next_sibling[child]
+
+    def reset(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        if tokens.numel() == 0:
+            raise ValueError("NgramDrafter.reset: empty token sequence, expected at least the root token")
+        self._clear()
+        self._device = tokens.device
+        self._append(tokens)
+
+    def commit(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        self._append(tokens)
+
+    def _match(self) -> int | None:
+        """Trie node of the longest recent suffix (min_ngram..max_ngram tokens) that occurred before with a
+        continuation."""
+        longest = min(self.max_ngram, len(self._suffixes))
+        for length in range(longest, self.min_ngram - 1, -1):
+            node = self._suffixes[length - 1]
+            if self._first_child[node] >= 0:
+                return node
+        return None
+
+    def _node_of(self, context: list[int]) -> int | None:
+        """Trie node of the longest suffix (min_ngram..max_ngram tokens) of `context` that has a continuation."""
+        for length in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            node = 0
+            for token in context[-length:]:
+                node = self._edges.get(node * self.vocab_size + token)
+                if node is None:
+                    break
+            if node is not None and self._first_child[node] >= 0:
+                return node
+        return None
+
+    def propose(self, budget: DraftBudget, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """Most frequent continuations of the match, best-first by count: a child never outranks its parent, so
+        the tree is the budget's worth of most frequent paths; the corpus's where the sequence has no match.
+        Deterministic (q None) whatever the params."""
+        match = self._match()
+        if match is not None:
+            return self._tree(match, budget, FIRST_ACCEPT, NEXT_ACCEPT, self._device)
+        match = None if self.corpus is None else self.corpus._node_of(self._tail)
+        if match is not None:
+            return self.corpus._tree(match, budget, CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT, self._device)
+        return DraftTree.empty(self._device)
+
+    def _tree(self, match: int, budget: DraftBudget, first: float, later: float,
+              device: torch.device) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        order = itertools.count()  # heap tie-break: expansion order
+        frontier: list[tuple] = []
+
+        def push_children(node: int, parent: int, depth: int) -> None:
+            best = heapq.nlargest(budget.width, self._children(node), key=lambda c: (self._count[c], self._last[c]))
+            for child in best:
+                rank = (-self._count[child], -self._last[child], next(order))
+                heapq.heappush(frontier, (rank, child, parent, depth))
+
+        push_children(match, -1, 1)
+        while frontier and len(tokens) < budget.max_nodes:
+            _, node, parent, depth = heapq.heappop(frontier)
+            tokens.append(self._token[node])
+            parents.append(parent)
+            scores.append(depth_score(depth, first, later))
+            if depth < budget.depth:
+                push_children(node, len(tokens) - 1, depth + 1)
+        return DraftTree.from_lists(tokens, parents, scores, device)
 
 class NgramKind(DrafterKind):
     name = "ngram"

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from torch import Tensor, nn
 
-from runtime.model import Transformer
+from runtime.target.model import Transformer
 
 LossFn = Callable[[nn.Module, dict], tuple[Tensor, dict]]
 EvalFn = Callable[[nn.Module], dict]

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.draft_head import DraftHead
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle import EagleModel
-from runtime.eagle_drafting import EagleBase
-from runtime.model import Transformer
+from runtime.drafters.shared.eagle_drafting import EagleBase
+from runtime.target.model import Transformer
 from train.losses import cross_entropy_to, feature_regression
 from train.recipes import LossFn, Recipe
 from train.target_outputs import target_features

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.cpu_packing import Linear
-from runtime.draft_head import DraftHead
-from runtime.model import Transformer
+from runtime.target.cpu_packing import Linear
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.target.model import Transformer
+from runtime.target.weights import from_pretrained
 from train.losses import KD_DISTANCES
 from train.recipes import LossFn, Recipe
 from train.target_outputs import target_features, top1
@@ -44,7 +45,7 @@ def build_lm_lora(target: Transformer, base: str | Path, rank: int) -> nn.Module
     lm_head; only the adapters train. merge_lora() folds them back into a plain Transformer."""
     from peft import LoraConfig, get_peft_model
 
-    model = Transformer.from_pretrained(base, dtype=target.dtype, max_seq_len=target.max_seq_len)
+    model = from_pretrained(base, dtype=target.dtype, max_seq_len=target.max_seq_len)
     if model.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"drafter.lm_base={str(base)!r} has vocab_size {model.config.vocab_size}, the target "
                          f"{target.config.vocab_size}: the drafter must share the target's tokenizer")

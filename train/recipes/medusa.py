@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from runtime.draft_head import DraftHead
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.medusa import MedusaConfig, MedusaHeads
-from runtime.model import Transformer
+from runtime.target.model import Transformer
 from train.losses import soft_cross_entropy
 from train.recipes import LossFn, Recipe
 from train.target_outputs import target_features, top1

@@ -1,0 +1,290 @@
+"""Speculative decoding engine: draft a tree, verify it in one target forward, keep the accepted path.
+
+Without a drafter every step is a one-token tree-less verify, i.e. plain autoregressive decoding through the
+same model, cache and verifier -- the baseline speculative decoding is measured against. Greedy output is
+token-for-token that of plain decoding; sampled output has the target's distribution (runtime.speculation.verify).
+
+With `EngineConfig.sparse` (SpecAttn) the verify forward reads, in the mapped layers, only the prefix keys the
+drafter's attention selects (runtime.target.attention.kept_keys). The output is then that of the *sparse* target: lossy
+w.r.t. the dense target by design (calibrate bounds the perplexity change); top_p = 1.0 equals dense exactly.
+
+With `EngineConfig.lookup` a greedy step's tree also holds what followed an earlier occurrence of the sequence's last
+tokens (an n-gram trie beside the drafter): one trie with the drafter's tree (DraftTree.union), verified as one.
+With `EngineConfig.lookup_corpus` the branch drafts from that corpus where the sequence has no match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from runtime.target.attention import SpecAttnConfig, kept_keys
+from runtime.speculation.cuda_graphs import StaticVerifier
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.decode_stats import Clock, DecodeStats, Metrics
+from runtime.speculation.drafter import Drafter
+from runtime.target.model import Transformer, context_error
+from runtime.drafters.ngram import NgramDrafter
+from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache, kv_cache_as
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tree import DraftTree
+from runtime.speculation.verify import verify
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_seq_len: int = 2048  # target KV cache length: prompt + new tokens must fit
+    budget: DraftBudget = field(default_factory=lambda: DraftBudget(depth=5))
+    adaptive: bool = True  # adapt the draft depth to recent acceptance and fall back when drafting does not pay
+    min_depth: int = 1
+    ema_decay: float = 0.7  # weight of the past in the moving average of accepted tokens per step
+    warmup_steps: int = 8  # speculative steps before the fallback rule may fire
+    fallback_tau: float = 1.3  # below this average of tokens per target forward, decode plainly
+    # after warmup_steps speculative steps, time one plain decode step; while speculation commits fewer tokens a
+    # second than that, pause it for warmup_steps plain steps, twice as many after each pause (at a long context a
+    # verify costs more than a decode, yet a reply may turn predictable later). Served engines check; a batched
+    # engine decides by batch size instead (runtime.serving.batch_budget).
+    speed_check: bool = False
+    sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
+    kv_scheme: str | None = None  # quantised KV history (runtime.target.quant_kv_cache): int8 | int4 | hier-int4
+    kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
+    # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.speculation.cuda_graphs.StaticVerifier;
+    # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy trees
+    # likewise (runtime.drafters.shared.eagle_static; not while SpecAttn needs its attention). Full-precision KV only.
+    static_verify: bool = False
+    # fuse each static step's kernels with torch.compile (inductor) before it is captured (runtime.speculation.cuda_graphs.
+    # compile_step): fewer launches a step where launches bound it; needs static_verify
+    compile_static: bool = False
+    # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.drafters.ngram) are
+    # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
+    lookup: int = 0
+    # greedy only: where the sequence has no match, the lookup branch continues a match in this frozen trie
+    # (runtime.drafters.ngram.NgramDrafter.corpus; a bundle's lookup corpus: the target's own answers to training prompts)
+    lookup_corpus: NgramDrafter | None = field(default=None, compare=False, repr=False)
+    # greedy only: most nodes a verify holds, the drafter's and the lookup's together, keeping the likeliest
+    # (DraftTree.best); 0: no limit. Where a verify's cost grows in steps (our CPU kernel's 6-row tiles), a tree
+    # that fills its last step beats one that spills into the next.
+    max_tree: int = 0
+    # a drafter reads only the prompt's last draft_window tokens (0: all of them): drafters train on rows of a few
+    # hundred tokens, and their first pass over a long prompt costs more than speculation gains on a short reply.
+    # Not with SpecAttn, which maps the drafter's attention onto every key of the prefix.
+    draft_window: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.budget, DraftBudget):
+            raise ValueError(f"EngineConfig: budget={self.budget!r}, expected a DraftBudget")
+        if self.max_seq_len < 2:
+            raise ValueError(f"EngineConfig: max_seq_len={self.max_seq_len}, expected >= 2")
+        if not 1 <= self.min_depth <= self.budget.depth:
+            raise ValueError(f"EngineConfig: min_depth={self.min_depth}, expected 1..budget.depth={self.budget.depth}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"EngineConfig: ema_decay={self.ema_decay}, expected 0 <= ema_decay < 1")
+        if self.warmup_steps < 0 or self.fallback_tau < 0:
+            raise ValueError(f"EngineConfig: warmup_steps={self.warmup_steps} and fallback_tau={self.fallback_tau} "
+                             "must be >= 0")
+        if self.sparse is not None and not isinstance(self.sparse, SpecAttnConfig):
+            raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
+        if self.kv_scheme is not None:
+            KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
+        if self.lookup_corpus is not None and not isinstance(self.lookup_corpus, NgramDrafter):
+            raise ValueError(f"EngineConfig: lookup_corpus={self.lookup_corpus!r}, expected an NgramDrafter or None")
+        for name in ("lookup", "max_tree", "draft_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig: {name}={v!r}, expected an int >= 0 (0 = off)")
+        if self.draft_window and self.sparse is not None:
+            raise ValueError(f"EngineConfig: draft_window={self.draft_window} with SpecAttn (sparse), whose drafter "
+                             "attention must cover every key of the prefix: set draft_window=0")
+        if self.compile_static and not self.static_verify:
+            raise ValueError("EngineConfig: compile_static compiles the static steps, so it needs static_verify=True")
+        if self.static_verify and self.kv_scheme is not None:
+            raise ValueError(f"EngineConfig: static_verify needs a full-precision KV cache, got kv_scheme="
+                             f"{self.kv_scheme!r}")
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        return None if self.kv_scheme is None else KVQuant(self.kv_scheme, self.kv_recent)
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]  # new tokens only; ends at the first stop id (included) or after max_new_tokens
+    metrics: Metrics
+
+
+class Engine:
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig()):
+        if cfg.max_seq_len > target.max_seq_len:
+            raise ValueError(f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the target's max_seq_len "
+                             f"{target.max_seq_len} (load the target with a larger max_seq_len)")
+        vocab = target.config.vocab_size
+        if drafter is not None and drafter.vocab_size != vocab:
+            raise ValueError(f"drafter vocab_size {drafter.vocab_size} != target vocab_size {vocab}: a drafter "
+                             "must propose tokens of the target's vocabulary")
+        if cfg.sparse is not None and (drafter is None or len(cfg.sparse.layer_map) != target.config.n_layers):
+            raise ValueError(f"EngineConfig.sparse needs a drafter and a layer map with one entry per target layer "
+                             f"({target.config.n_layers}), got {len(cfg.sparse.layer_map)}")
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        quant, c = cfg.kv_quant, target.config
+        self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len) if quant is None else QuantizedKVCache(
+            c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
+        if hasattr(drafter, "cache"):  # EAGLE and LM keep a KV cache of their own: same scheme, drafter reader
+            drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
+        if drafter is not None:
+            drafter.track_attention = cfg.sparse is not None
+        self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup, corpus=cfg.lookup_corpus) \
+            if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
+        # what the drafter reads of each target forward: the residual streams entering these layers, or () the
+        # final hidden states
+        self.features = drafter.feature_layers if drafter is not None and drafter.needs_features else ()
+        self.static = None
+        if cfg.static_verify:
+            on_gpu = target.device.type == "cuda"
+            self.static = StaticVerifier(target, self.cache, use_graph=on_gpu, sparse=cfg.sparse, features=self.features,
+                                         compile=cfg.compile_static)
+            if drafter is not None:
+                drafter.use_static(use_graph=on_gpu, compile=cfg.compile_static)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                 generator: torch.Generator | None = None, stop_ids: tuple[int, ...] = ()) -> Generation:
+        self._check_request(prompt_ids, max_new_tokens)
+        cfg, target, cache, drafter = self.cfg, self.target, self.cache, self.drafter
+        device, stop = target.device, set(stop_ids)
+        clock = Clock(device)
+        cache.reset()
+
+        n = len(prompt_ids)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        speculating = drafter is not None
+        wanted = self.features if speculating and drafter.needs_features else None
+        logits, hidden = target.prefill(prompt[None], cache, features=wanted)
+        root = verify(DraftTree.empty(device), logits[0], params, generator).next_token
+        out = [root]
+        lookup = self.lookup if params.greedy else None
+        if speculating:
+            drafter.reset(*prompt_window(torch.tensor(prompt_ids + [root], device=device),
+                                         None if hidden is None else hidden[0], cfg.draft_window))
+            if lookup is not None:
+                lookup.reset(torch.tensor(prompt_ids + [root]))
+        prefill_s = clock.lap()
+
+        stats = DecodeStats(cfg)
+        stopped = root in stop
+        n_cached = n  # the cache's length, kept on the host: reading it would wait for the device
+        while len(out) < max_new_tokens and not stopped:
+            room = min(cfg.max_seq_len - n_cached - 1, max_new_tokens - len(out) - 1)
+            if isinstance(cache, QuantizedKVCache):  # one quantisation boundary per verify keeps it lossless
+                room = min(room, cache.exact_depth())
+            tree = DraftTree.empty(device)
+            plain = speculating and stats.plain_next()  # timed against speculation, or a pause
+            step_s = 0.0
+            if speculating and room > 0 and not plain:
+                tree = drafter.propose(stats.budget(room), params, generator)
+                if len(tree) > room:
+                    raise ValueError(f"drafter proposed {len(tree)} nodes, more than the budget of {room}")
+                cap = min(cfg.max_tree, room) if cfg.max_tree and params.greedy else room
+                if lookup is not None:
+                    # both branches draft within the room and the best-scored nodes of their union fill it: the
+                    # drafter's tree first would starve the lookup branch once a reply nears max_new_tokens
+                    tree = tree.union(lookup.propose(DraftBudget(depth=min(cfg.lookup, room)), params), limit=cap)
+                if len(tree) > cap:  # greedy only: max_tree
+                    tree = tree.best(cap)
+                step_s += clock.lap()
+                stats.draft_s += step_s
+
+            # the verify's inputs in one copy from the host: tokens, positions and (with a tree) the ancestor mask
+            depths = [0] + tree.depth_list()
+            inputs = torch.tensor([[root] + tree.host_lists().tokens, [n_cached + d for d in depths]]
+                                  + (tree.ancestor_rows() if len(tree) else []), dtype=torch.long, device=device)
+            tokens, positions = inputs[:1], inputs[1:2]
+            n_live = n_cached + tokens.shape[1]
+            # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
+            keep = self._kept_keys(n_cached, cache.max_len if self.static is not None else n_live) \
+                if cfg.sparse is not None and len(tree) else None
+            layers = self._layer_keep(keep if keep is None else keep[..., :n_live])  # per target layer, live keys
+            tree_mask = inputs[2:].bool() if len(tree) else None
+            if self.static is not None:
+                logits, hidden = self.static(tokens, positions, tree_mask, keep, cached=n_cached)
+            else:
+                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers, features=self.features)
+            stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)
+            verdict = verify(tree, logits[0], params, generator)
+            verify_s = clock.lap()
+            stats.verify_s += verify_s
+
+            rows = [0] + [i + 1 for i in verdict.accepted]  # the root's and the accepted nodes' slots
+            cache.compact(rows)
+            n_cached += len(rows)
+            rollback_s = clock.lap()
+            stats.rollback_s += rollback_s
+            step_s += verify_s + rollback_s
+
+            committed = [tree.host_lists().tokens[i] for i in verdict.accepted] + [verdict.next_token]
+            if speculating:  # the committed tokens and their rows, one copy to the device
+                moved = torch.tensor([committed, rows], device=device)
+                drafter.commit(moved[0], self._features(hidden[0].index_select(0, moved[1])))
+                if lookup is not None:
+                    lookup.commit(torch.tensor(committed))
+                commit_s = clock.lap()
+                stats.draft_s += commit_s
+                step_s += 0.0 if plain else commit_s  # plain decoding alone would not keep the drafter in step
+            stats.record(tree, verdict.accepted)
+            if speculating:
+                stats.time_step(tree, len(committed), step_s, plain)
+            if speculating and stats.should_fall_back():
+                speculating = False
+            out += committed
+            root = out[-1]
+            stopped = not stop.isdisjoint(committed)
+
+        first_stop = next((i for i, t in enumerate(out) if t in stop), None)
+        out = out[: max_new_tokens if first_stop is None else min(first_stop + 1, max_new_tokens)]
+        return Generation(out, stats.metrics(n, len(out), prefill_s, clock.total()))
+
+    def _kept_keys(self, prefix: int, n_keys: int) -> torch.Tensor:
+        """Per draft layer, the keys [Ld, Hkv, 1, n_keys] this verify reads (SpecAttn): keys at or beyond the
+        committed `prefix` (this verify's own) are all kept."""
+        sparse = self.cfg.sparse
+        attention = self.drafter.draft_attention()
+        if attention is None or attention.shape[-1] != prefix:
+            got = None if attention is None else tuple(attention.shape)
+            raise ValueError(f"sparse verification needs the drafter's attention over the {prefix} committed keys; "
+                             f"{type(self.drafter).__name__}.draft_attention() gave {got}")
+        return kept_keys(attention[:, :, None], torch.tensor([prefix], device=attention.device), n_keys,
+                         self.target.config.n_kv_heads, sparse.top_p, sparse.sink, sparse.recent)
+
+    def _layer_keep(self, keep: torch.Tensor | None) -> list[torch.Tensor | None] | None:
+        """Per target layer, the keys [1, Hkv, 1, S] it reads; None: every layer dense."""
+        layers = None if keep is None else self.cfg.sparse.layer_keep(keep)
+        return None if layers is None or all(k is None for k in layers) else layers
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return hidden if self.drafter is not None and self.drafter.needs_features else None
+
+    def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        check_request(prompt_ids, max_new_tokens, self.target.config.vocab_size, self.cfg.max_seq_len)
+
+
+def prompt_window(tokens: torch.Tensor, features: torch.Tensor | None,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a drafter reads of a prompt: its last `window` tokens before the root, the root, and their features
+    (one fewer than the tokens); all of it with window 0."""
+    if not window or tokens.numel() <= window + 1:
+        return tokens, features
+    return tokens[-(window + 1):], None if features is None else features[-window:]
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, vocab: int, max_seq_len: int) -> None:
+    """A clear error for a request an engine cannot run: an empty prompt, ids outside the vocabulary, a bad
+    max_new_tokens, or more tokens than the KV cache holds."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: at least one prompt token is needed")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt_ids contains {bad[:3]}, outside the target vocabulary 0..{vocab - 1}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}, expected an int >= 1")
+    overflow = context_error(len(prompt_ids), max_new_tokens, max_seq_len, "the KV cache of max_seq_len")
+    if overflow:
+        raise ValueError(overflow)

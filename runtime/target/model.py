@@ -1,0 +1,367 @@
+"""Llama-family decoder (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with qk-norm, Mistral) over a static KV cache.
+
+One forward serves prefill, decode and tree verification: T new tokens per sequence are written at
+slots cache.lengths[b] + t, and each attends to the committed prefix plus the new tokens that `tree_mask`
+allows (causal when None). Weights load from an HF safetensors directory; q/k/v and gate/up are fused at load
+so a decode step runs two matmuls per block instead of five.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.target.attention import Mask, attention_mask, attention_weights, causal_mask, pick_backend
+from runtime.target.cpu_packing import Linear, pack_for_cpu, prefill_products
+from runtime.target.kv_cache import KVCache
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+PREFILL_CHUNK = 2048  # most prompt tokens one prefill forward takes (Transformer.prefill; docs/cpu.md)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "ModelConfig":
+        """The config of an HF model directory."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json (expected an HF model directory)")
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+    @staticmethod
+    def from_hf(hf: dict) -> "ModelConfig":
+        arch = hf.get("model_type")
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"model_type {arch!r} is not supported; expected one of {ARCHITECTURES}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
+        if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling
+        rope = dict(hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}),
+                                                   "rope_theta": hf.get("rope_theta", 10000.0)})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_type {kind!r} is not supported; expected default, linear or llama3")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported; expected 1.0")
+        scaling = RopeScaling(kind, float(rope.get("factor", 1.0)), float(rope.get("low_freq_factor", 1.0)),
+                              float(rope.get("high_freq_factor", 4.0)),
+                              int(rope.get("original_max_position_embeddings", 8192)))
+        n_heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            arch=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            intermediate_size=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
+            rope_theta=float(rope["rope_theta"]), max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or arch == "qwen2",  # qwen2 always has q/k/v biases, never an o bias
+            o_bias=attention_bias and arch != "qwen2", mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3", sliding_window=hf.get("sliding_window") if arch == "mistral" else None,
+            rope_scaling=scaling)
+
+
+def context_error(prompt_tokens: int, max_new_tokens: int, limit: int, what: str) -> str | None:
+    """None where a prompt and max_new_tokens new tokens fit `limit` positions (every token but the last generated
+    one passes through the cache), else the one-line error; `what` names the limit."""
+    if prompt_tokens + max_new_tokens - 1 <= limit:
+        return None
+    return f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} does not fit {what}={limit}"
+
+
+@dataclass(frozen=True)
+class Taps:
+    """Extra outputs for drafters, their training and calibration; the plain forward captures nothing."""
+    hidden_layers: tuple[int, ...] = ()  # residual stream after these blocks (0-based), [B, T, dim]
+    attention_layers: tuple[int, ...] = ()  # softmax attention weights of these blocks, [B, heads, T, keys]
+
+    @staticmethod
+    def entering(layers: tuple[int, ...]) -> "Taps":
+        """The residual streams entering `layers` (layer k's input is block k-1's output; k >= 1)."""
+        return Taps(hidden_layers=tuple(k - 1 for k in layers))
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor | None  # [B, T, V] or [B, 1, V] (last_logits_only) or None (no_logits)
+    hidden: Tensor  # [B, T, dim] after the final norm
+    layer_hidden: dict[int, Tensor] = field(default_factory=dict)
+    attention: dict[int, Tensor] = field(default_factory=dict)
+
+    def features(self, layers: tuple[int, ...]) -> Tensor:
+        """What a drafter reads of this forward: the residual streams entering `layers`, concatenated in that order
+        [B, T, len(layers) * dim] (the forward ran with Taps.entering(layers)); () : the final hidden [B, T, dim]."""
+        return torch.cat([self.layer_hidden[k - 1] for k in layers], -1) if layers else self.hidden
+
+    def with_streams(self, layers: tuple[int, ...]) -> Tensor:
+        """What training reads: the final hidden state, then the residual streams entering `layers`."""
+        return torch.cat([self.hidden] + [self.layer_hidden[k - 1] for k in layers], -1)
+
+
+class NoCache:
+    """Stands in for KVCache where a forward keeps no state: attention reads this step's own keys and values
+    ([B, kv_heads, T, head_dim]), so training has no in-place writes and an exported graph no cache buffers."""
+
+    def write(self, layer: int, slots: None, k: Tensor, v: Tensor, n_live: int) -> tuple[Tensor, Tensor]:
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != self.weight.dtype:  # autocast's bf16 input, fp32 weight: the mixed call has no fused kernel
+            return F.rms_norm(x.to(self.weight.dtype), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, fp32 accumulation
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[Tensor, Tensor]:
+    """cos, signed sin [max_len, head_dim], half-split layout as HF checkpoints expect. The sin table's first half
+    is negated so that rotating is a roll: x * cos + roll(x, D/2) * sin. Computed in fp32 exactly as HF does
+    (same rounding of the angles at long positions)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s.kind == "linear":
+        inv_freq = inv_freq / s.factor
+    elif s.kind == "llama3":  # long wavelengths slowed by `factor`, short kept, smooth ramp between
+        wavelen = 2 * math.pi / inv_freq
+        low_wl, high_wl = s.original_max_position / s.low_freq_factor, s.original_max_position / s.high_freq_factor
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wl, inv_freq / s.factor, torch.where(wavelen < high_wl, inv_freq, ramped))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return torch.cat([angles, angles], dim=-1).cos(), torch.cat([-angles.sin(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, D]; cos, sin [B, T, 1, D] from rope_tables."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Mask,
+                cos: Tensor, sin: Tensor, want_weights: bool, keep: Tensor | None = None,
+                rows: Tensor | None = None, last_query: bool = False) -> tuple[Tensor, Tensor | None]:
+        """keep [B, Hkv, 1|T, n_live]: SpecAttn's keys per kv head (runtime.target.attention), None: every key.
+        rows: indices into the B*T queries whose output is wanted; the result is then [len(rows), dim] and the
+        output projection runs on those only (training skips the queries no loss reads, see train.ttt).
+        last_query: only the last query's output is wanted ([B, 1, dim]); every token's keys and values are still
+        written (a prefill's last layer, whose other outputs nothing reads)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
+        qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
+        keys, values = cache.write(layer, slots, k, v, n_live)
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        if last_query:  # the last query sees every key a causal mask lets any of them see
+            q, T = q[:, :, -1:], 1
+            mask = mask[:, :, -1:] if isinstance(mask, Tensor) else None
+            keep = keep if keep is None or keep.shape[2] == 1 else keep[:, :, -1:]
+        attend = getattr(cache, "attend", None) or pick_backend(x.device)  # a cache may bring its own (train.ttt)
+        out = attend(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
+        if rows is not None:
+            out = out.reshape(B * T, H * D).index_select(0, rows)
+        return self.wo(out), attention_weights(q, keys, mask) if want_weights else None
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate and up, fused
+        self.w2 = Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+        super().__init__()
+        self.config, self.max_seq_len = cfg, max_seq_len
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    def pack_for_cpu(self) -> "Transformer":
+        return pack_for_cpu(self)
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        max_len = max_len or self.max_seq_len
+        if max_len > self.max_seq_len:
+            raise ValueError(f"cache length {max_len} exceeds the model's max_seq_len {self.max_seq_len}")
+        c = self.config
+        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None,
+                *, last_logits_only: bool = False, kv_keep: list[Tensor | None] | None = None,
+                features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+        """tokens, positions [B, T] -> (logits [B, T, V] or [B, 1, V], hidden [B, T, dim], or the residual
+        streams entering the `features` layers: ForwardOutput.features). Writes KV at cache.lengths + t but does not
+        advance: the caller decides what is committed. kv_keep: per layer the keys sparse (SpecAttn) verification
+        reads, see Attention.forward; None: dense."""
+        out = self.run(tokens, cache, positions, tree_mask, taps=Taps.entering(features),
+                       last_logits_only=last_logits_only, kv_keep=kv_keep)
+        return out.logits, out.features(features)
+
+    def run(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None, *,
+            taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False,
+            kv_keep: list[Tensor | None] | None = None, last_only: bool = False) -> ForwardOutput:
+        B, T = tokens.shape
+        if cache.batch != B:
+            raise ValueError(f"tokens have batch {B} but the cache was built for batch {cache.batch}")
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is beyond max_seq_len {self.max_seq_len}")
+        slots = cache.slots(T)
+        n_live = int(cache.lengths.max()) + T
+        window = self.config.sliding_window
+        mask = causal_mask(cache.lengths, T, n_live, tree_mask, window) \
+            or attention_mask(cache.lengths, positions, n_live, tree_mask, window)
+        return self.run_placed(tokens, cache, positions, slots, n_live, mask, taps=taps,
+                               last_logits_only=last_logits_only, no_logits=no_logits, kv_keep=kv_keep,
+                               last_only=last_only)
+
+    def prefill(self, tokens: Tensor, cache: KVCache, *, chunk: int | None = None,
+                features: tuple[int, ...] | None = (),
+                progress: Callable[[int, int], None] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Commit prompt tokens [B, T] after each sequence's cached ones: forwards of at most `chunk` tokens (equal
+        pieces), each advancing the cache, so memory follows the chunk, not the prompt. Returns the last token's
+        logits [B, 1, V] and what a drafter reads of every position (ForwardOutput.features(`features`): the
+        hidden states [B, T, dim] with ()), or None with `features` None. Its products take the fastest
+        kernel (prefill_products): no decode is compared with a prefill's rows. progress(done, T) after each.
+        `chunk` defaults to PREFILL_CHUNK."""
+        B, T = tokens.shape
+        chunk = PREFILL_CHUNK if chunk is None else chunk
+        if chunk < 1:
+            raise ValueError(f"prefill chunk={chunk}, expected >= 1")
+        cached = int(cache.lengths.max())
+        if cached + T > cache.max_len:
+            raise ValueError(f"a prompt of {T} tokens after {cached} cached ones exceeds the cache length "
+                             f"{cache.max_len} (raise max_seq_len)")
+        pieces = -(-T // chunk)
+        size = -(-T // pieces)
+        hidden, logits = [], None
+        for start in range(0, T, size):
+            piece = tokens[:, start:start + size]
+            positions = cache.lengths[:, None] + torch.arange(piece.shape[1], device=tokens.device)
+            last = start + size >= T
+            with prefill_products():
+                out = self.run(piece, cache, positions, taps=Taps.entering(features or ()), last_logits_only=True,
+                               no_logits=not last, last_only=features is None)
+            cache.advance(piece.shape[1])
+            logits = out.logits
+            if features is not None:
+                hidden.append(out.features(features))
+            if progress is not None:
+                progress(min(start + size, T), T)
+        return logits, None if features is None else torch.cat(hidden, 1)
+
+    def run_uncached(self, tokens: Tensor, *, no_logits: bool = False) -> ForwardOutput:
+        """Whole sequences [B, T] at positions 0..T-1, causal, keeping no KV: training (autograd cannot go through
+        the cache's in-place writes of every layer) and cache-free export."""
+        B, T = tokens.shape
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        empty = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        mask = attention_mask(empty, positions, T, None, self.config.sliding_window)
+        return self.run_placed(tokens, NoCache(), positions, None, T, mask, no_logits=no_logits)
+
+    def run_placed(self, tokens: Tensor, cache: "KVCache | NoCache", positions: Tensor, slots: Tensor | None,
+                   n_live: int, mask: Mask, *, taps: Taps = Taps(), last_logits_only: bool = False,
+                   no_logits: bool = False, kv_keep: list[Tensor | None] | None = None,
+                   last_only: bool = False) -> ForwardOutput:
+        """run() with the KV slots and the attention mask [B, 1, T, n_live] chosen by the caller: draft trees
+        keep their nodes' KV where runtime.speculation.dynamic_tree.TreeSlots puts them, and each node sees its ancestors only.
+        last_only: hidden [B, 1, dim] of the last token only; the last layer then computes just the keys and values
+        of the others (all a prefill needs of them)."""
+        cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
+        x = self.tok_embeddings(tokens)
+        out = ForwardOutput(None, x)
+        for i, block in enumerate(self.layers):
+            tail = last_only and i == len(self.layers) - 1
+            h, weights = block.attention(block.attention_norm(x), i, cache, slots, n_live, mask, cos, sin,
+                                         i in taps.attention_layers, None if kv_keep is None else kv_keep[i],
+                                         last_query=tail)
+            x = (x[:, -1:] if tail else x) + h
+            x = x + block.feed_forward(block.ffn_norm(x))
+            if weights is not None:
+                out.attention[i] = weights
+            if i in taps.hidden_layers:
+                out.layer_hidden[i] = x
+        out.hidden = self.norm(x)
+        if not no_logits:
+            out.logits = self.output(out.hidden[:, -1:] if last_logits_only else out.hidden)
+        return out

@@ -5,17 +5,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.target.attention import kv_reads
 from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.engine_config import EngineConfig
 from runtime.device import synchronizer
 from runtime.speculation.tree import DraftTree
-
-if TYPE_CHECKING:
-    from runtime.speculation.engine import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ def _run_store(cfg, run_id: str | None, create: bool):
 def cmd_run(args) -> int:
     from pipeline.config import dump_config, load_config
     from pipeline.home import write_json_atomic
-    from pipeline.stages import STAGES, StageContext, check_ready, get_stage, inputs_digest
+    from pipeline.stages import STAGES, check_ready, get_stage, inputs_digest
+    from pipeline.stages.context import StageContext
     from pipeline.tracking import stage_run
 
     cfg = load_config(args.config, args.overrides)
@@ -107,7 +108,7 @@ def cmd_promote(args) -> int:
 
 def cmd_serve(args) -> int:
     from pipeline.config import load_config
-    from pipeline.serving import serve
+    from pipeline.serving.server import serve
 
     return serve(load_config(args.config, args.overrides), args.port, args.host, args.alias)
 

@@ -10,22 +10,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, sha256_file
-from pipeline.runstore import RunStore, StageResult
+from pipeline.runstore import RunStore
 from pipeline.tracking import flatten, tracking_uri
-
-if TYPE_CHECKING:  # stages.py imports this module to list its stages
-    from pipeline.stages import StageContext
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 METRIC_TAG = "metric."  # prefix of the tags holding validation metrics
 MODEL_ARTIFACT = "drafter"  # name of the pyfunc model inside its MLflow logged model
-SERVING_MODEL = Path(__file__).with_name("serving_model.py")  # the pyfunc as code: nothing is pickled
+SERVING_MODEL = Path(__file__).parent / "serving" / "model_file.py"  # the pyfunc as code: nothing is pickled
 
 
 def registry_client(cfg: Config):
@@ -101,7 +97,7 @@ def register_bundle(cfg: Config, store: RunStore):
     """
     import mlflow
 
-    from pipeline.serving import pyfunc_signature
+    from pipeline.serving.pyfunc import pyfunc_signature
 
     validated = read_validated(store)
     if mlflow.active_run() is None:
@@ -125,15 +121,6 @@ def register_bundle(cfg: Config, store: RunStore):
         version = mlflow.register_model(info.model_uri, name, tags=tags)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     return version
-
-
-def run_register(ctx: StageContext) -> StageResult:
-    v = register_bundle(ctx.cfg, ctx.store)
-    name = ctx.cfg.register.model_name
-    return StageResult(outputs={"model_name": name, "version": int(v.version),
-                                "model_uri": f"models:/{name}/{v.version}"},
-                       metrics={"version": int(v.version)},
-                       message=f"registered {name} version {v.version} as @{CANDIDATE}")
 
 
 # ---------------------------------------------------------------- promotion
@@ -202,16 +189,6 @@ def promote_candidate(cfg: Config, version: int | str) -> tuple[Decision, dict]:
                f"candidate_{metric}": tag_metric(cand.tags, metric),
                f"previous_champion_{metric}": tag_metric(champ.tags, metric) if champ else None}
     return decision, metrics
-
-
-def run_promote(ctx: StageContext) -> StageResult:
-    version = ctx.store.record("register")["outputs"]["version"]  # this run's own version, not whatever is @candidate
-    decision, metrics = promote_candidate(ctx.cfg, version)
-    name = ctx.cfg.register.model_name
-    verb = f"promoted {name} version {version} to @{CHAMPION}" if decision.promote else \
-        f"kept @{CHAMPION} (version {metrics['champion_version']}), did not promote version {version}"
-    return StageResult(outputs={"champion_version": metrics["champion_version"]}, metrics=metrics,
-                       message=f"{verb}: {decision.reason}")
 
 
 def promote_to(cfg: Config, version: int | str) -> str:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from pipeline.runstore import RunStore
-from pipeline.stages import StageContext
+from pipeline.stages.context import StageContext
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import Transformer

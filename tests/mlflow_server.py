@@ -13,7 +13,7 @@ from export.bundle import write_bundle
 from pipeline.bench.load import free_port, stop, wait_healthy
 from pipeline.home import write_json_atomic
 from pipeline.runstore import RunStore, StageResult
-from pipeline.stages import StageContext
+from pipeline.stages.context import StageContext
 from pipeline.tracking import stage_run
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the test process is an MLflow client too

@@ -18,7 +18,7 @@ from export.calibrate.stage import CalibrateSettings, long_prompts, long_rows, r
 from export.calibrate.weights import choose_scheme
 from pipeline.config import Config
 from pipeline.runstore import RunStore
-from pipeline.stages import StageContext
+from pipeline.stages.context import StageContext
 from runtime.target.attention import SpecAttnConfig
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.decode_stats import tokens_per_forward
@@ -33,7 +33,8 @@ from train.recipes import eagle as eagle_recipe
 from train.recipes import lm as lm_recipe
 from train.batches import Batches
 from train.data import TokenizedSet, prompts_from
-from train.trainer import TrainSpec, train
+from train.spec import TrainSpec
+from train.trainer import train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
 TOP_P = [0.5, 0.9, 0.99]
@@ -107,7 +108,7 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
         lm = lm_recipe.build_lm(target, N_LAYERS, "target")
         save_file(drafter_tensors(lm, tensors[DRAFT_VOCAB]), str(distill / "drafter.safetensors"))
         (distill / "drafter_config.json").write_text(json.dumps(drafter_config("lm", lm, 64, None)))
-    else:  # saved the way pipeline/distill.py saves it
+    else:  # saved the way pipeline/stages/distill.py saves it
         tensors = {k: v.clone() for k, v in tensors.items()}
         if outlier:
             make_hard_to_quantise(tensors, outlier)

@@ -224,13 +224,13 @@ def test_an_error_with_brackets_prints_as_written(capsys):
 
 
 def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, monkeypatch, capsys):
-    import pipeline.prepare
+    import pipeline.stages.prepare
     from pipeline.cli import main
 
     def boom(ctx):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(pipeline.prepare, "run_prepare", boom)
+    monkeypatch.setattr(pipeline.stages.prepare, "run_prepare", boom)
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--stage", "prepare", "--run-id", "r"]) == 1
     err = capsys.readouterr().err

@@ -17,7 +17,8 @@ from runtime.speculation.tau_probe import TauProbe
 from train.recipes import eagle as eagle_recipe
 from train.recipes import medusa as medusa_recipe
 from train.batches import Batches
-from train.trainer import TrainSpec, train
+from train.spec import TrainSpec
+from train.trainer import train
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ from runtime.drafters.shared.eagle_static import StaticEagleTree
 from train.batches import Batches
 from train.recipes import get_recipe
 from train.target_outputs import target_features
-from train.trainer import TrainSpec, train
+from train.spec import TrainSpec
+from train.trainer import train
 from train.ttt import unroll
 
 LAYERS, VOCAB = 8, 96
@@ -235,10 +236,10 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
     from export.calibrate.stage import CalibrateSettings, run_calibrate
     from helpers import run_stage_on
     from pipeline.config import Config
-    from pipeline.distill import run_distill
-    from pipeline.export_stage import run_export
+    from pipeline.stages.distill import run_distill
+    from pipeline.stages.export import run_export
     from pipeline.runstore import RunStore, StageResult
-    from pipeline.validate import REPORT_JSON, run_validate
+    from pipeline.stages.validate import REPORT_JSON, run_validate
     from train.shards import save_features
 
     cfg = Config.model_validate({

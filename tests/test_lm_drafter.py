@@ -11,13 +11,13 @@ from helpers import perturbed, run_stage_on, self_distilled_rows
 from export.bundle import write_bundle
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from pipeline.config import Config
-from pipeline.distill import build, run_distill
+from pipeline.stages.distill import build, run_distill
 from pipeline.errors import DraftsmithError
-from pipeline.export_stage import run_export
+from pipeline.stages.export import run_export
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
-from pipeline.stages import StageContext
-from pipeline.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
+from pipeline.stages.context import StageContext
+from pipeline.stages.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
 from runtime.target.attention import SpecAttnConfig
 from runtime.bundle_reader import LOOKUP_CORPUS, SPECATTN, read_bundle
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
@@ -32,7 +32,8 @@ from runtime.speculation.sampling import SamplingParams
 from train.recipes import lm as lm_recipe
 from train.batches import Batches
 from train.losses import KD_DISTANCES
-from train.trainer import TrainSpec, train
+from train.spec import TrainSpec
+from train.trainer import train
 
 VOCAB = 96  # tests/conftest.py TINY
 

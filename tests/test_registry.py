@@ -46,7 +46,7 @@ def test_register_tags_alias_and_retry(cfg):
     served_manifest = json.loads(next(Path(local).rglob("manifest.json")).read_text())
     assert served_manifest == manifest  # the bundle itself travels with the model version
     files = {f.name for f in Path(local).rglob("*") if f.is_file()}
-    assert "serving_model.py" in files and not any(f.endswith((".pkl", ".pickle")) for f in files)  # no pickle
+    assert "model_file.py" in files and not any(f.endswith((".pkl", ".pickle")) for f in files)  # no pickle
 
     again = run_stage(cfg, store, "register", run_register)  # an Airflow retry
     assert again["outputs"]["version"] == 1

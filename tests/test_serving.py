@@ -16,7 +16,8 @@ from pipeline.bench.load import free_port, start_server, stop
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.registry import run_promote, run_register
-from pipeline.serving import BUDGET_ENV, DEVICE_ENV, budget_source, serve_invocation, serving_device
+from pipeline.serving.pyfunc import BUDGET_ENV, DEVICE_ENV, budget_source, serving_device
+from pipeline.serving.server import serve_invocation
 from pipeline.sources import target_fingerprint
 from runtime.target.precision import float_dtype
 from runtime.bundle_reader import BundleError
@@ -187,7 +188,7 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.serving import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV, TIMEOUT_ENV, BatchSettings
+    from pipeline.serving.pyfunc import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV, TIMEOUT_ENV, BatchSettings
 
     cfg = registry_cfg(tmp_path, tiny_chat_target)
     store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target))
@@ -224,7 +225,7 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
 def test_pyfunc_refuses_a_prompt_beyond_the_served_context_in_one_line(tiny_chat_target):
     from transformers import AutoTokenizer
 
-    from pipeline.serving import DraftsmithPyfunc
+    from pipeline.serving.pyfunc import DraftsmithPyfunc
     from runtime.speculation.engine import Engine, EngineConfig
     from runtime.target.weights import from_pretrained
 

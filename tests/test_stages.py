@@ -70,6 +70,8 @@ def sections_read(module: str, function: str, seen: set | None = None) -> set[st
     """Config sections `module.function` reads (`cfg.<section>`, `ctx.cfg.<section>`), following the calls it makes
     to functions of our packages and to the stage context's helpers."""
     seen = set() if seen is None else seen
+    if function not in definitions(module) and function in own_imports(module_tree(module)):
+        return sections_read(own_imports(module_tree(module))[function], function, seen)  # a re-export
     if (module, function) in seen or function not in definitions(module):
         return set()
     seen.add((module, function))
@@ -80,7 +82,7 @@ def sections_read(module: str, function: str, seen: set | None = None) -> set[st
                 or isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"):
             found.add(node.attr)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("ctx", "self"):
-            found |= sections_read("pipeline.stages", f"ctx.{node.attr}", seen)
+            found |= sections_read("pipeline.stages.context", f"ctx.{node.attr}", seen)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             found |= sections_read(imports.get(node.id, module), node.id, seen)
     return found
@@ -89,7 +91,7 @@ def sections_read(module: str, function: str, seen: set | None = None) -> set[st
 def test_the_reads_are_found():
     """The reader below is not vacuous: it finds what calibrate and prepare are known to read."""
     assert {"calibrate", "validate", "drafter", "target"} <= sections_read("export.calibrate.stage", "run_calibrate")
-    assert {"data", "run", "target"} <= sections_read("pipeline.prepare", "run_prepare")
+    assert {"data", "run", "target"} <= sections_read("pipeline.stages.prepare", "run_prepare")
 
 
 @pytest.mark.parametrize("stage", STAGES, ids=STAGE_NAMES)

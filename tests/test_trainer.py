@@ -21,7 +21,8 @@ from train.data import TokenizedSet
 from train.losses import cross_entropy, topk_accuracy
 from train.checkpoint import latest_checkpoint, load_weights
 from train.distributed import deepspeed_config, launch_local
-from train.trainer import TrainSpec, lr_at, mlflow_logger, train
+from train.spec import TrainSpec
+from train.trainer import lr_at, mlflow_logger, train
 
 VOCAB = 32
 

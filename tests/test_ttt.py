@@ -39,7 +39,8 @@ def test_unroll_equals_sequential_drafting(target):
 
 def test_training_through_the_unroll_raises_deep_acceptance(target, tmp_path):
     from train.batches import Batches
-    from train.trainer import TrainSpec, train
+    from train.spec import TrainSpec
+    from train.trainer import train
 
     data = Batches(self_distilled_rows(target, rows=24, prompt_vocab=96, new_tokens=40, max_seq_len=128), 8,
                    seed=0)

@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,9 +20,8 @@ from torch import Tensor, nn
 
 from train.batches import Batches
 from train.optim import Setup, trainable
+from train.spec import TrainSpec
 
-if TYPE_CHECKING:
-    from train.trainer import TrainSpec
 
 STEP_DIR = "step-{:08d}"
 

@@ -4,13 +4,12 @@ the Setup that bundles both with the model and, under DeepSpeed, the engine and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from train.trainer import TrainSpec
+from train.spec import TrainSpec
 
 
 @dataclass

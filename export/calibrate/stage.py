@@ -28,7 +28,7 @@ NOT_APPLICABLE = "not applicable"
 
 
 class CalibrateContext(Protocol):
-    """What calibrate needs of the stage context the pipeline runs it with (pipeline.stages.StageContext)."""
+    """What calibrate needs of the stage context the pipeline runs it with (pipeline.stages.context.StageContext)."""
     cfg: Any  # the run's pipeline.config.Config
     out: Path
 

@@ -24,7 +24,7 @@ from pipeline.config import GateCfg
 from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, write_json_atomic
 from pipeline.runstore import StageResult
-from pipeline.stages import StageContext
+from pipeline.stages.context import StageContext
 from runtime.speculation.decode_stats import Metrics
 from runtime.speculation.engine import Engine
 from runtime.speculation.sampling import SamplingParams

@@ -6,7 +6,7 @@ import json
 
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import StageResult
-from pipeline.stages import StageContext
+from pipeline.stages.context import StageContext
 from runtime.bundle_reader import LOOKUP_CORPUS
 
 
@@ -57,7 +57,8 @@ def run_distill(ctx: StageContext) -> StageResult:
     from train.batches import Batches
     from train.data import TokenizedSet, prompts_from
     from train.shards import load_features
-    from train.trainer import TrainSpec, mlflow_logger, train
+    from train.spec import TrainSpec
+    from train.trainer import mlflow_logger, train
 
     d, s = ctx.cfg.drafter, ctx.cfg.distill
     kind = get_kind(d.kind)

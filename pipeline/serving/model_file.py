@@ -2,6 +2,6 @@
 bundle and a JSON config, never a pickled object. MLflow runs it when it loads the model."""
 from mlflow.models import set_model
 
-from pipeline.serving import DraftsmithPyfunc
+from pipeline.serving.pyfunc import DraftsmithPyfunc
 
 set_model(DraftsmithPyfunc())

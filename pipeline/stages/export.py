@@ -15,7 +15,8 @@ from pathlib import Path
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
-from pipeline.stages import StageContext, sections_through
+from pipeline.stages import sections_through
+from pipeline.stages.context import StageContext
 from runtime.bundle_reader import CONFIG, LOOKUP_CORPUS, WEIGHTS, read_bundle
 from runtime.drafters import WEIGHT_QUANT, get_kind
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.errors import DraftsmithError
 
 from pipeline.runstore import StageResult
-from pipeline.stages import StageContext
+from pipeline.stages.context import StageContext
 
 SPLITS = ("train", "val")
 

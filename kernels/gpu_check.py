@@ -124,7 +124,7 @@ def check_all(device: str = "cuda", seed: int = 0) -> list[dict]:
 def _efficient_sdpa(*args):
     """The sparse reference under the SDPA kernels the runtime uses on CUDA (cuDNN plans every new shape)."""
     from kernels import sparse_attention as sa
-    from kernels.sdpa import sdpa_kernels
+    from kernels.sdpa_kernels import sdpa_kernels
 
     with sdpa_kernels(args[0].device):
         return sa.sparse_attention_torch(*args)

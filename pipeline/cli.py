@@ -229,7 +229,7 @@ def cmd_bench(args) -> int:
     device = torch.device(default_device(args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device)
     if args.context is not None:
-        from pipeline.bench.context import run_context_bench
+        from pipeline.bench.long_context import run_context_bench
 
         report = run_context_bench(target_dir, args.context, speculation, args.max_new_tokens, dtype=dtype,
                                    device=str(device), repeats=args.repeats)

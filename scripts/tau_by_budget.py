@@ -18,7 +18,7 @@ from pipeline.tokens import stop_ids
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.bundle_reader import read_bundle
 from runtime.speculation.decode_stats import tokens_per_forward
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from runtime.serving.served_engine import served_engine
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from export.bundle import write_bundle
+from export.bundle_writer import write_bundle
 from pipeline.bench.load import free_port, stop, wait_healthy
 from pipeline.home import write_json_atomic
 from pipeline.runstore import RunStore, StageResult

@@ -17,7 +17,7 @@ from runtime.drafters.lm import LMDrafter
 from runtime.drafters.medusa import MedusaDrafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.sampling import SamplingParams
 from runtime.serving.served_engine import smaller_budgets

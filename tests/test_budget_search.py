@@ -2,7 +2,7 @@
 and measured step costs, which candidates could win, and the choice among those timed."""
 import pytest
 
-from export.calibrate.budget import (candidates, choose_budget, device_ladder, halving_runs, preference,
+from export.calibrate.budget_search import (candidates, choose_budget, device_ladder, halving_runs, preference,
                                      successive_halving)
 from export.calibrate.predict import could_win, predict
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from export.bundle import write_bundle
+from export.bundle_writer import write_bundle
 from runtime.bundle_reader import BundleError, read_bundle
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.engine import EngineConfig

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from export.calibrate.budget import choose_budget
+from export.calibrate.budget_search import choose_budget
 from export.calibrate.kv import choose_kv_scheme, decode_ms, kv_message, quantized_nll
 from export.calibrate.layer_map import DENSE, LayerMap
 from export.calibrate.replay import ReplayTarget, reference, replay
-from export.calibrate.specattn import (calibration_row, choose_top_p, draft_selector, effective_keys, sparse_nll,
+from export.calibrate.specattn_sweep import (calibration_row, choose_top_p, draft_selector, effective_keys, sparse_nll,
                                       target_selector, teacher_forced)
 from export.calibrate.stage import CalibrateSettings, long_prompts, long_rows, run_calibrate
 from export.calibrate.weights import choose_scheme
@@ -24,7 +24,7 @@ from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
 from runtime.target.precision import float_dtype
 from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache

@@ -108,7 +108,7 @@ def test_stage_is_tracked_in_mlflow(tmp_path, tiny_data):
 
 @pytest.mark.slow
 def test_bench_refuses_a_bundle_for_another_target(tmp_path):
-    from export.bundle import write_bundle
+    from export.bundle_writer import write_bundle
 
     write_bundle(tmp_path / "b", {"kind": "ngram", "max_ngram": 3}, None, target_fingerprint="other",
                  data_digest="d", config={}, code_version="t")
@@ -152,7 +152,7 @@ def test_bench_refuses_a_prompt_beyond_the_models_context_in_one_line(tmp_path):
 def device_budget_bundle(out, fingerprint: str, candidates: bool = True):
     """An n-gram bundle whose calibrated budget is a chain, with two device candidates (tau made up: the wider
     one's far outweighs any step cost) unless `candidates` is false."""
-    from export.bundle import write_bundle
+    from export.bundle_writer import write_bundle
 
     chain = {"depth": 1, "width": 1, "nodes": 1, "adaptive": False, "lookup": 0, "max_tree": 0}
     report = {"chosen": chain, "sweep": []}

@@ -7,7 +7,7 @@ from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.serving.device_budget import choose_on_device, describe, ms_per_step
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from train.recipes.eagle import build_eagle
 
 ROWS = [{"depth": 1, "width": 3, "nodes": 3, "adaptive": True, "lookup": 0, "max_tree": 0},

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from helpers import self_distilled_rows
-from export.bundle import write_bundle
+from export.bundle_writer import write_bundle
 from runtime.bundle_reader import read_bundle
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters import DRAFT_VOCAB, build_drafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tau_probe import TauProbe

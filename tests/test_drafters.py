@@ -7,7 +7,7 @@ from runtime.drafters.shared.draft_head import DraftHead, frequent_token_ids
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa

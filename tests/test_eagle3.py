@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from export.bundle import write_bundle
+from export.bundle_writer import write_bundle
 from export.calibrate.replay import ReplayTarget, reference, replay
 from helpers import perturbed, self_distilled_rows
 from runtime.speculation.draft_budget import DraftBudget
@@ -18,7 +18,7 @@ from runtime.drafters.eagle3 import Eagle3Model, aux_layers
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import Taps, Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from runtime.drafters.shared.eagle_static import StaticEagleTree
 from train.batches import Batches

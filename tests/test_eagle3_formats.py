@@ -11,7 +11,7 @@ from export.engine_formats import write_engine_export
 from helpers import perturbed
 from runtime.drafters.eagle3 import KIND, Eagle3Config, Eagle3Model, aux_layers
 from runtime.target.model import Taps, Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 
 VOCAB, DRAFT_VOCAB, LAYERS = 96, 32, 8
 

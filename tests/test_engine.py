@@ -14,7 +14,7 @@ from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_p
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.sampling import SamplingParams
 from runtime.serving.served_engine import ServedEngine

@@ -17,7 +17,7 @@ from runtime.drafters.medusa import MedusaDrafter
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams, sample, warp
 from runtime.speculation.verify import Verdict
 from train.recipes.eagle import build_eagle

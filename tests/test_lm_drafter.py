@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import perturbed, run_stage_on, self_distilled_rows
-from export.bundle import write_bundle
+from export.bundle_writer import write_bundle
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from pipeline.config import Config
 from pipeline.stages.distill import build, run_distill
@@ -24,9 +24,9 @@ from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.drafters.lm import LMDrafter
-from runtime.target.weights import hf_causal_lm, hf_config, hf_state_dict
+from runtime.target.loading import hf_causal_lm, hf_config, hf_state_dict
 from runtime.target.model import Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import answer_spans
 from runtime.speculation.sampling import SamplingParams
 from train.recipes import lm as lm_recipe

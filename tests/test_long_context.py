@@ -9,7 +9,7 @@ from runtime.target.attention import BACKENDS, Causal, attention_mask, causal_ma
 from runtime.target.cpu_packing import Linear, prefill_products
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import context_error
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 
 
 @pytest.mark.parametrize("prefix", [0, 9])
@@ -157,7 +157,7 @@ def test_a_target_is_never_loaded_past_its_context(tiny_llama_dir):
 
 
 def test_bench_context_lengths():
-    from pipeline.bench.context import context_lengths
+    from pipeline.bench.long_context import context_lengths
 
     assert context_lengths("1024, 2048,max", 8192, 128) == [1024, 2048, 8065]
     with pytest.raises(DraftsmithError, match="--context 9000: prompt of 9000 tokens \\+ max_new_tokens=128 does "

@@ -5,7 +5,7 @@ import torch
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from helpers import perturbed
 from runtime.drafters.shared.eagle_drafting import EagleStep
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa
 

@@ -17,7 +17,7 @@ from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.drafters.lm import LMDrafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
 from runtime.target.quant_kv_cache import SCHEMES, QuantizedKVCache
 from train.recipes.eagle import build_eagle

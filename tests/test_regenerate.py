@@ -8,7 +8,7 @@ import torch
 
 from train.batch_generate import BatchGenerator, Request
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from train.recipes import eagle as eagle_recipe
 from train.batches import Batches
@@ -170,7 +170,7 @@ KILLED_RUN = """
 import os, signal, sys, torch
 from transformers import AutoTokenizer
 from runtime.target.model import Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from train import shards
 from train.regenerate import regenerate
 sys.path.insert(0, {tests!r})

@@ -8,7 +8,7 @@ from helpers import run_concurrently
 
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
 from runtime.serving.scheduler import QueueFull, RequestTimedOut, Scheduler, SchedulerError
 

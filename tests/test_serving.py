@@ -27,7 +27,7 @@ def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int, dtyp
     from transformers import AutoTokenizer
 
     from runtime.speculation.engine import Engine, EngineConfig
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = from_pretrained(target_dir, dtype=dtype)
@@ -119,10 +119,10 @@ def test_serve_refuses_an_alias_the_registry_lacks(tmp_path):
 
 def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tmp_path, tiny_chat_target,
                                                                                monkeypatch):
-    from export.bundle import write_bundle
+    from export.bundle_writer import write_bundle
     from runtime.speculation.draft_budget import DraftBudget
     from runtime.bundle_reader import read_bundle
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
     from runtime.serving.served_engine import served_engine
 
     chosen = {"depth": 2, "width": 3, "nodes": 6, "adaptive": False, "lookup": 8, "max_tree": 0}
@@ -227,7 +227,7 @@ def test_pyfunc_refuses_a_prompt_beyond_the_served_context_in_one_line(tiny_chat
 
     from pipeline.serving.pyfunc import DraftsmithPyfunc
     from runtime.speculation.engine import Engine, EngineConfig
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
 
     model = DraftsmithPyfunc()  # what load_context builds, with a short context (no queue: refused before it)
     model.tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)

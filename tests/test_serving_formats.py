@@ -14,7 +14,7 @@ from helpers import perturbed
 from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle import HOT_TOKENS, KIND, EagleModel
 from runtime.target.model import RMSNorm
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from train.recipes.eagle import build_eagle
 
 

@@ -16,7 +16,7 @@ from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.drafters.lm import LMDrafter
 from runtime.target.model import Taps
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from train.recipes import eagle as eagle_recipe

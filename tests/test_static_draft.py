@@ -8,7 +8,7 @@ from helpers import perturbed
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from runtime.drafters.shared.eagle_static import StaticEagleTree
 from train.recipes.eagle import build_eagle

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from helpers import self_distilled_rows
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from train.recipes import eagle as eagle_recipe
 from train import target_outputs
 from train.recipes.eagle import eagle_loss, simulated_chain

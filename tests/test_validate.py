@@ -78,7 +78,7 @@ def test_export_writes_a_manifest_covering_every_file(exported, tiny_llama_dir):
 def _medusa_files(target_dir):
     from safetensors.torch import save_file
 
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
     from train.recipes.medusa import build_medusa
 
     heads = build_medusa(from_pretrained(target_dir, max_seq_len=64), num_heads=2, keep_ids=None)
@@ -110,7 +110,7 @@ def test_export_ships_the_calibrated_int8_weights_and_the_reader_restores_them(t
 
     from runtime.bundle_reader import read_bundle
     from runtime.drafters import build_drafter
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
     from runtime.weight_quant import dequantize_state_dict, quantize_state_dict
 
     store = _prepared_store(tmp_path, tiny_llama_dir, _medusa_files(tiny_llama_dir))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from export.calibrate.specattn import next_token_nll, perplexity
+from export.calibrate.specattn_sweep import next_token_nll, perplexity
 from export.calibrate.timing import interleaved_ms
 from runtime.bundle_reader import KV_QUANT, NO_KV_QUANT
 from runtime.speculation.drafter import Drafter

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from export.calibrate.budget import calibrate_budget
+from export.calibrate.budget_search import calibrate_budget
 from export.calibrate.kv import calibrate_kv
-from export.calibrate.specattn import calibrate_specattn
+from export.calibrate.specattn_sweep import calibrate_specattn
 from export.calibrate.weights import calibrate_quant
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.bundle_reader import KV_QUANT, kv_engine_fields

@@ -16,7 +16,7 @@ from pipeline.bench.harness import Speculation, device_name, interleaved
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.serving.served_engine import batch_config
 from pipeline.tokens import encode, stop_ids
 

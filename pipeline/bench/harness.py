@@ -24,7 +24,7 @@ from runtime.serving.device_budget import describe
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig, Generation
 from runtime.target.model import ModelConfig, Transformer, context_error
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from runtime.serving.served_engine import ServedEngine, static_verify_config
 from pipeline.tokens import encode, stop_ids

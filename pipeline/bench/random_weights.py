@@ -2,7 +2,7 @@
 
 No checkpoint is needed, so it runs where no weights can be carried (the lent GPU machine has no network): our
 Transformer is built from a named config with random weights, the HF LlamaForCausalLM from the same config gets
-the same weights (runtime.target.weights.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same random
+the same weights (runtime.target.loading.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same random
 prompts:
   hf_generate     HF transformers `generate`, greedy (DynamicCache, sdpa attention)
   ours_ar         our Engine without a drafter (eager PyTorch)
@@ -28,7 +28,7 @@ from pipeline.flags import Parser, bounded
 from runtime.speculation import cuda_graphs
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
-from runtime.target.weights import hf_causal_lm
+from runtime.target.loading import hf_causal_lm
 from runtime.target.model import ModelConfig, Transformer, rope_tables
 from runtime.speculation.tree import DraftTree
 

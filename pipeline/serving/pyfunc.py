@@ -117,7 +117,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from runtime.speculation.draft_budget import ServedBudget
         from runtime.bundle_reader import read_bundle
         from runtime.serving.device_budget import describe
-        from runtime.target.weights import from_pretrained
+        from runtime.target.loading import from_pretrained
         from runtime.target.precision import float_dtype
         from runtime.serving.scheduler import Scheduler
         from runtime.serving.served_engine import served_engine

@@ -34,7 +34,7 @@ class StageContext:
         import torch
 
         from runtime.target.model import ModelConfig
-        from runtime.target.weights import from_pretrained
+        from runtime.target.loading import from_pretrained
         from runtime.target.precision import float_dtype
 
         if max_seq_len is None:

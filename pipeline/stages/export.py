@@ -77,7 +77,7 @@ def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path
     """Export the bundle's drafter step to `out` and check it against onnxruntime; raise if parity fails."""
     from export.onnx_export import check_onnx_parity, example_inputs, export_onnx
     from runtime.drafters import bundle_weights, drafter_module
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
 
     bundle = read_bundle(bundle_dir, fingerprint)
     if not get_kind(bundle.kind).onnx_inputs:
@@ -102,7 +102,7 @@ def engine_exports(ctx: StageContext, bundle_dir: Path, fingerprint: str) -> dic
     from export.engine_formats import write_engine_exports
     from pipeline.sources import verifier
     from runtime.drafters import bundle_weights, drafter_module
-    from runtime.target.weights import from_pretrained
+    from runtime.target.loading import from_pretrained
 
     bundle = read_bundle(bundle_dir, fingerprint)
     if not get_kind(bundle.kind).weighted:
@@ -117,7 +117,7 @@ def engine_exports(ctx: StageContext, bundle_dir: Path, fingerprint: str) -> dic
 def run_export(ctx: StageContext) -> StageResult:
     from safetensors.torch import load_file
 
-    from export.bundle import write_bundle
+    from export.bundle_writer import write_bundle
     from export.onnx_export import ONNX_FILE
 
     distill = ctx.input("distill")

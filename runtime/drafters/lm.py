@@ -150,7 +150,7 @@ class LMKind(DrafterKind):
         return torch.stack([o.attention[i][0] for i in taps.attention_layers])
 
     def hf_assistant(self, drafter):
-        from runtime.target.weights import hf_causal_lm
+        from runtime.target.loading import hf_causal_lm
 
         return hf_causal_lm(drafter.model)
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from runtime.target.cpu_packing import Linear
 from runtime.drafters.shared.draft_head import DraftHead
 from runtime.target.model import Transformer
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from train.losses import KD_DISTANCES
 from train.recipes import LossFn, Recipe
 from train.target_outputs import target_features, top1

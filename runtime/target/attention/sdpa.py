@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.sdpa import sdpa_kernels
+from kernels.sdpa_kernels import sdpa_kernels
 from runtime.target.attention.base import AttentionBackend, Causal, exact_dtype, grouped
 
 

@@ -18,7 +18,7 @@ from pipeline.bench.harness import Speculation, device_name, hf_generate, interl
 from pipeline.errors import DraftsmithError
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import ModelConfig, context_error
-from runtime.target.weights import from_pretrained
+from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from pipeline.tokens import stop_ids
 

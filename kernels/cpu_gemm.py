@@ -8,7 +8,7 @@ therefore grows by the 6-row tile (EngineConfig.max_tree). From ~64 rows on the 
 faster (runtime.target.cpu_packing.OWN_MAX_ROWS).
 
 It is also batch-invariant: every output is the same chain of FMAs over k whatever the number of rows, so a verify
-row equals its one-row decode bit for bit (tests/test_cpu_gemm.py), which greedy losslessness needs.
+row equals its one-row decode bit for bit (tests/kernels/test_cpu_gemm.py), which greedy losslessness needs.
 
 Built at first use with torch's extension builder (cached on disk). Where the CPU lacks AVX2 or FMA,
 or no compiler is present, `available()` is False and callers keep their library kernel.

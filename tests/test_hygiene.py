@@ -9,8 +9,8 @@ from conftest import CACHES
 
 ROOT = Path(__file__).resolve().parents[1]
 # tests that plot, load the DAG, build the CPU kernel and read configs: what would fill ~/.cache and ~/airflow
-SAMPLE = ["tests/test_layer_map.py::test_plot_writes_a_png", "tests/test_dags.py::test_dag_graph",
-          "tests/test_cpu_gemm.py::test_serves_only_what_it_can_multiply", "tests/test_config.py"]
+SAMPLE = ["tests/export/test_layer_map.py::test_plot_writes_a_png", "tests/dags/test_dags.py::test_dag_graph",
+          "tests/kernels/test_cpu_gemm.py::test_serves_only_what_it_can_multiply", "tests/pipeline/test_config.py"]
 
 
 def test_a_plain_pytest_run_writes_nothing_into_home(tmp_path):

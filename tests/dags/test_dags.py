@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from export.engine_formats import write_engine_export
-from helpers import perturbed
+from support.helpers import perturbed
 from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle import HOT_TOKENS, KIND, EagleModel
 from runtime.target.model import RMSNorm

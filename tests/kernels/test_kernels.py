@@ -15,7 +15,7 @@ from triton.runtime.jit import JITFunction
 import kernels.kv_quant as kvq
 import kernels.sparse_attention as sa
 import kernels.topp as topp
-from helpers import run_in_triton_interpreter
+from support.helpers import run_in_triton_interpreter
 from kernels import gpu_compile
 
 

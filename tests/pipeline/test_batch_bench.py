@@ -1,6 +1,6 @@
 """`pipeline bench --batch N` on a tiny chat target: every method runs over the same batches, our batched rows equal
 each prompt's batch-1 greedy decode, and the work shows a progress bar."""
-from test_engine import chain_speculation
+from test_bench import chain_speculation
 
 from pipeline.bench.batch import run_batch_bench
 from runtime.drafters.ngram import NgramDrafter

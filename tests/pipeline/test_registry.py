@@ -5,13 +5,13 @@ import json
 from pathlib import Path
 
 import pytest
-from mlflow_server import mlflow_server, run_stage, validated_run
+from support.mlflow_server import mlflow_server, run_stage, validated_run
 
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json
-from pipeline.registry import (CANDIDATE, CHAMPION, Decision, decide, promote_to, registry_client, run_promote,
-                               run_register)
+from pipeline.registry import CANDIDATE, CHAMPION, Decision, decide, promote_to, registry_client
+from pipeline.stages.register import run_promote, run_register
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import run_concurrently
-from mlflow_server import run_stage, validated_run
+from support.helpers import run_concurrently
+from support.mlflow_server import run_stage, validated_run
 
 from pipeline.bench.load import free_port, start_server, stop
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
-from pipeline.registry import run_promote, run_register
+from pipeline.stages.register import run_promote, run_register
 from pipeline.serving.pyfunc import BUDGET_ENV, DEVICE_ENV, budget_source, serving_device
 from pipeline.serving.server import serve_invocation
 from pipeline.sources import target_fingerprint

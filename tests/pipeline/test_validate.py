@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import run_stage_on
+from support.helpers import run_stage_on
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
 from pipeline.stages.export import run_export

@@ -1,4 +1,4 @@
-"""Helpers shared by several test modules (imported as `helpers`, like mlflow_server)."""
+"""Helpers shared by several test modules (imported as `support.helpers`)."""
 from __future__ import annotations
 
 import inspect

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import self_distilled_rows
+from support.helpers import self_distilled_rows
 from export.bundle_writer import write_bundle
 from runtime.bundle_reader import read_bundle
 from runtime.speculation.draft_budget import DraftBudget

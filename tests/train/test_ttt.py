@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import self_distilled_rows
+from support.helpers import self_distilled_rows
 from runtime.target.loading import from_pretrained
 from train.recipes import eagle as eagle_recipe
 from train import target_outputs

@@ -15,7 +15,7 @@ Falls back to sdpa where flashinfer has no kernel or cannot plan (`_plannable`):
 graph capture or torch.compile, where a replay would not repeat the host-side plan. Registered only when the
 `flashinfer` package is installed (the optional extra `gpu`); flashinfer itself is imported on first use.
 `python -m pipeline.bench.flashinfer_check` compares each path with sdpa on a GPU and times both; on the CPU the
-tests run this backend through a torch stand-in of the three wrappers (tests/torch_flashinfer.py).
+tests run this backend through a torch stand-in of the three wrappers (tests/support/torch_flashinfer.py).
 """
 from __future__ import annotations
 

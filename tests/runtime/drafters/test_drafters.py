@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import perturbed
+from support.helpers import perturbed
 from runtime.drafters.shared.draft_head import DraftHead, frequent_token_ids
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree

@@ -9,7 +9,7 @@ import torch
 
 from export.bundle_writer import write_bundle
 from export.calibrate.replay import ReplayTarget, reference, replay
-from helpers import perturbed, self_distilled_rows
+from support.helpers import perturbed, self_distilled_rows
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.bundle_reader import BundleError, read_bundle
 from train.batch_generate import BatchGenerator, Request
@@ -234,7 +234,7 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
     import json
 
     from export.calibrate.stage import CalibrateSettings, run_calibrate
-    from helpers import run_stage_on
+    from support.helpers import run_stage_on
     from pipeline.config import Config
     from pipeline.stages.distill import run_distill
     from pipeline.stages.export import run_export

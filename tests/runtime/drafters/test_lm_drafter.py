@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import perturbed, run_stage_on, self_distilled_rows
+from support.helpers import perturbed, run_stage_on, self_distilled_rows
 from export.bundle_writer import write_bundle
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from pipeline.config import Config

@@ -4,7 +4,7 @@ tau."""
 import pytest
 import torch
 
-from helpers import perturbed
+from support.helpers import perturbed
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
+from support.helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
 
 from runtime.target.attention import SpecAttnConfig
 from runtime.serving.batch_budget import batch_sizes, measure_policy

@@ -4,7 +4,7 @@ import threading
 import time
 
 import pytest
-from helpers import run_concurrently
+from support.helpers import run_concurrently
 
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.speculation.engine import Engine, EngineConfig

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import perturbed
+from support.helpers import perturbed
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
 from runtime.target import cpu_packing
 from runtime.speculation.draft_budget import DraftBudget

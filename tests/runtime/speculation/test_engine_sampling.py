@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import assert_three_tokens_follow_the_target, perturbed
+from support.helpers import assert_three_tokens_follow_the_target, perturbed
 
 import runtime.speculation.engine as engine_module
 import runtime.speculation.verify as verify_module

@@ -2,7 +2,7 @@
 distribution (the chi-squared check of test_verify, row by row), and wrong batched verifiers fail that check."""
 import pytest
 import torch
-from helpers import assert_first_tokens_match
+from support.helpers import assert_first_tokens_match
 from test_verify import GREEDY, SAMPLE, TRIALS, V
 
 from runtime.speculation.sampling import SamplingParams, sample, warp

@@ -15,7 +15,7 @@ from runtime.speculation.engine import Engine, EngineConfig
 from pipeline.bench.random_weights import ReplayDrafter
 from runtime.target.kv_cache import KVCache
 from runtime.target.loading import from_pretrained
-from torch_flashinfer import TorchFlashInfer, unpage
+from support.torch_flashinfer import TorchFlashInfer, unpage
 
 HKV, D = 2, 8
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import NoisyOracle, perturbed
+from support.helpers import NoisyOracle, perturbed
 
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.shared.eagle_drafting import EagleDrafter

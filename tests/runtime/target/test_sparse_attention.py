@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import runtime.target.attention.triton_sparse
-from helpers import run_in_triton_interpreter
+from support.helpers import run_in_triton_interpreter
 from runtime.target.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter

@@ -1,7 +1,8 @@
 """Small-batch fp32 products on AVX2 CPUs: our own C++ kernel (cpu_gemm.cpp), F.linear its torch reference.
 
 Why our own: decode multiplies 1 row and a tree verify a few rows by each weight, and on AVX2 AMD CPUs the library
-kernels grow fast with the rows (docs/cpu.md has the tables). It reads the weight packed in panels of 16 output
+kernels grow fast with the rows (the tables: docs/logs/cpu-2026-11.md,
+"Measurements moved out of docstrings (2026-11-28)"). It reads the weight packed in panels of 16 output
 columns, k-major (`pack`, done once per Linear at load): a tile of up to 6 rows broadcasts each x[m, k] against the
 panel's 64-byte line for that k, and while one panel's tiles compute, they prefetch the next panel. A verify's cost
 therefore grows by the 6-row tile (EngineConfig.max_tree). From ~64 rows on the library's blocked kernel computes

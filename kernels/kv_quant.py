@@ -139,7 +139,8 @@ def _group_codes(x_ptr, group, HALF: tl.constexpr, QMAX: tl.constexpr):
     odd = tl.load(base + 2 * offs + 1).to(tl.float32)
     # Bit-exact with the torch reference on any device: the scale is one fp32 product with 1/QMAX (as torch on
     # CUDA computes a division by a scalar), and codes use IEEE division (div_rn), since Triton's fp32 `/` is
-    # approximate on GPUs and flipped quotients lying on a .5 boundary (measured on an H100, docs/gpu.md)
+    # approximate on GPUs and flipped quotients lying on a .5 boundary (measured on an H100:
+    # docs/logs/gpu-2026-11.md, "Triton kernels vs torch references (on the GPU, do_bench median)")
     scale = tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)) * (1.0 / QMAX)
     safe = tl.where(scale > 0, scale, 1.0)
     q_even = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(even, safe) + 0.5), -QMAX), QMAX).to(tl.int32)

@@ -7,7 +7,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Not cuDNN (SDPA's first pick there): it builds an execution plan for every new shape, and a decode's or a tree's
-# key count is new at every step (docs/gpu.md: most of an eager decode). Not
+# key count is new at every step (most of an eager decode: docs/logs/gpu-2026-11.md,
+# "2026-11-25: cuDNN attention, the static-verify rows, a real-target bench path"). Not
 # flash either: it would take the maskless one-token decode and memory-efficient attention the masked tree verify,
 # and two kernels round bf16 differently, so greedy speculation would drift from plain decoding.
 CUDA_SDPA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

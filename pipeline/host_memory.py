@@ -2,7 +2,8 @@
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh mmap and unmaps it at free,
 so each new tensor that large page-faults all its pages in again, and distill makes several such logits tensors per
-step (docs/cpu.md has what that cost). With mmap off and a high trim threshold, freed blocks stay in the heap and the next
+step (docs/logs/cpu-2026-11.md, "Measurements moved out of docstrings (2026-11-28)"
+has what that cost). With mmap off and a high trim threshold, freed blocks stay in the heap and the next
 tensor reuses them already faulted in.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue #8 measurements on a CUDA machine (see docs/gpu.md). Writes logs and JSON under ${OUT:-gpu_out}.
+# Every GPU measurement on a CUDA machine (docs/gpu.md, "How to reproduce them"). Writes logs and JSON under
+# ${OUT:-gpu_out}.
 # Optional: TARGET=<HF dir, .gguf or preset> BUNDLE=<exported bundle> [PROMPTS=<jsonl>] to bench a real drafter;
 # BUNDLE may name several, space-separated (e.g. an eagle and an eagle3 run's bundles on the same data): each is
 # benched side by side into real_bf16_<run id>.json;

@@ -1,4 +1,5 @@
-"""prepare: conversations -> chat-templated token ids + loss masks on assistant turns, split train/validation.
+"""prepare: conversations -> chat-templated token ids + loss masks on assistant turns, split into training and
+validation rows.
 
 Stored as safetensors (no pickle): flat `input_ids`/`loss_mask` plus `offsets`, one row per conversation.
 """

@@ -7,8 +7,8 @@ collapses deeper in the tree. Here every row is unrolled `depth` times in parall
     depth 1: pair P_j = (x_{j+1}, f_j) at position j+1, causal over true pairs      -> f^1_j ~ f_{j+1}
     depth d: pair (x_{j+d}, f^{d-1}_j) at position j+d, sees P_0..P_j and its chain  -> f^d_j ~ f_{j+d}
 
-and every depth is trained (train.recipes.eagle_loss), deeper ones weighted less. The same unroll, greedy and
-without gradients, replays chain drafting on held-out rows (train.recipes.simulated_chain).
+and every depth is trained (train.recipes.eagle.eagle_loss), deeper ones weighted less. The same unroll, greedy and
+without gradients, replays chain drafting on held-out rows (train.recipes.eagle.simulated_chain).
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ timed, running the engine as serving will (the chosen KV scheme, greedy) on held
 time, by successive halving: all on the first two prompts, the preferred half on two more, and so on down to two
 finalists, each prompt running plain decoding and every remaining candidate back to back. The finalists run twelve
 prompts at validate's reply length: how much the branch gains depends on how much the prompts repeat and on how
-long the reply grows, and fewer or shorter prompts picked worse budgets (docs/cpu.md).
+long the reply grows, and fewer or shorter prompts picked worse budgets (docs/logs/cpu-2026-11.md,
+"Budgets timed at validate's reply length (2026-11-26)").
 
 A GPU wants a bigger tree than the CPU (a wider verify costs it little more), and tau does not depend on the device:
 so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their replayed
@@ -44,7 +45,7 @@ from runtime.speculation.sampling import SamplingParams
 # (depth, width, nodes): chains and small trees up to the configured budget, which is also tried adaptively
 LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 4, 16))
 # EngineConfig.max_tree caps tried on trees with the lookup branch, each on the rungs of this many nodes: a verify
-# of 6 or 12 rows fills the CPU kernel's 6-row tiles (kernels/cpu_gemm), and the cap keeps the likeliest nodes of
+# of 6 or 12 rows fills the CPU kernel's 6-row tiles (kernels/cpu_gemm.py), and the cap keeps the likeliest nodes of
 # the drafter's and the lookup's
 TREE_CAPS = {5: range(2, 7), 11: range(4, 13)}
 # (depth, width, nodes, max_tree) trees a GPU may prefer, whose tau calibrate measures on every prompt for the

@@ -1,12 +1,12 @@
 """SpecAttn calibration: fit the layer map, then measure sparse verification for each draft top-p.
 
 The layer map compares, on calibration rows, every target layer's attention with each draft layer's: the EAGLE
-block's, or each layer of an `lm` drafter (export.layer_map). Each top_p is then measured for real, not through a
-proxy: the KV reads saved and the target perplexity change come from teacher-forced forwards over the same rows in
-which every query reads only the keys that the drafter's attention selects (runtime.target.attention.kept_keys, as the
-engine does at each verify), and tau from greedy speculative generation with the engine verifying sparsely. The
-largest saving whose perplexity increase stays within calibrate.ppl_tolerance becomes specattn.json, which export
-carries into the bundle.
+block's, or each layer of an `lm` drafter (export.calibrate.layer_map). Each top_p is then measured for real, not
+through a proxy: the KV reads saved and the target perplexity change come from teacher-forced forwards over the same
+rows in which every query reads only the keys that the drafter's attention selects
+(runtime.target.attention.kept_keys, as the engine does at each verify), and tau from greedy speculative generation
+with the engine verifying sparsely. The largest saving whose perplexity increase stays within
+calibrate.ppl_tolerance becomes specattn.json, which export carries into the bundle.
 
 The same teacher-forced sweep runs once more with every target layer choosing its keys by its own attention: what
 a drafter that predicted each layer's attention perfectly would select. No drafter can beat that ceiling, so the

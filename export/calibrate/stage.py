@@ -1,6 +1,7 @@
 """The calibrate stage: drafter weight quantisation chosen by measured tau (weights.py), KV-cache quantisation by
-measured perplexity, tau and decode speed (kv.py), the draft budget by measured speed (budget.py), and the SpecAttn
-layer map with its top-p (specattn.py, layer_map.py). Every phase measures in the runtime, as serving will run."""
+measured perplexity, tau and decode speed (kv.py), the draft budget by measured speed (budget_search.py), and the
+SpecAttn layer map with its top-p (specattn_sweep.py, layer_map.py). Every phase measures in the runtime, as serving
+will run."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-"""Where a speculative step's time goes outside the captured graphs (docs/gpu.md has what a GPU showed). This
+"""Where a speculative step's time goes outside the captured graphs (what a GPU showed:
+docs/logs/gpu-2026-11.md, "2026-11-26, later: graph-captured EAGLE drafting measured"). This
 profiles the engine as serving runs it (static verify, graphed EAGLE trees; random weights) and says,
 per step: the wall time of each phase, the operators dispatched outside the graphs (each a kernel launch on a GPU),
 and on a GPU the graph replays, kernel launches, device-busy time and every place the host waits for the device

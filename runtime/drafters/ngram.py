@@ -27,7 +27,8 @@ from runtime.speculation.tree import DraftTree
 
 
 # How likely a continuation node is accepted, for DraftTree.scores: P(depth d) ~ FIRST * NEXT^(d-1), as measured on
-# held-out conversations of the default target (docs/cpu.md)
+# held-out conversations of the default target (docs/logs/cpu-2026-11.md,
+# "Measurements moved out of docstrings (2026-11-28)")
 FIRST_ACCEPT, NEXT_ACCEPT = 0.61, 0.87
 # The same for a corpus continuation where the sequence had no match
 CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT = 0.55, 0.7

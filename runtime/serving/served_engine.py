@@ -18,7 +18,9 @@ from runtime.target.model import Transformer
 
 
 # prompt tokens a trained drafter reads (EngineConfig.draft_window): it learned on rows of at most a few hundred, and
-# reading a long document costs its first proposal seconds (docs/cpu.md); an n-gram drafter reads every token
+# reading a long document costs its first proposal seconds; an n-gram drafter reads every token. Measured in
+# docs/logs/cpu-2026-11.md,
+# "Trained drafters read the prompt's last 512 tokens (`EngineConfig.draft_window`, #43)"
 DRAFT_WINDOW = 512
 
 

@@ -2,7 +2,7 @@
 
 MKL re-packs a weight on every call, so a few-row product (a tree verify) costs well over a one-row one (a decode).
 Prepacked once, oneDNN runs both at about the cost of streaming the weight. The choice per CPU kind, and why, is
-measured in docs/cpu.md.
+measured in docs/logs/cpu-2026-11.md, "`pipeline bench` on CPU".
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def packed_min_fp32_rows(cpu_vendor: str) -> int:
 
 
 def own_fp32_kernel(cpu_vendor: str) -> bool:
-    """Whether fp32 inference products run through kernels/cpu_gemm instead of oneDNN: on AMD CPUs, where it was
+    """Whether fp32 inference products run through kernels/cpu_gemm.py instead of oneDNN: on AMD CPUs, where it was
     measured faster; Intel CPUs keep MKL and oneDNN, which were tuned there."""
     return cpu_vendor == "AuthenticAMD"
 
@@ -38,7 +38,8 @@ OWN_MAX_ROWS = 256
 # in 32-row slices, or greedy speculation would drift from plain decoding
 PACKED_EXACT_ROWS = 32
 # inside prefill_products: our kernel's fp32 products up to this many rows, oneDNN's from there, which wins on a
-# prefill's hundreds of rows (docs/cpu.md)
+# prefill's hundreds of rows (docs/logs/cpu-2026-11.md,
+# "Long prompts: maskless causal prefill in chunks (2026-11-28)")
 PREFILL_OWN_MAX_ROWS = 64
 _prefill = threading.local()  # per thread: an engine prefilling in one thread leaves another's verify exact
 
@@ -61,7 +62,7 @@ class Packable:
 
     weight: Tensor
     packed: Tensor | None = None
-    panels: Tensor | None = None  # the weight packed for kernels/cpu_gemm, where its fp32 products of few rows run
+    panels: Tensor | None = None  # the weight packed for kernels/cpu_gemm.py, where its fp32 products of few rows run
 
     def pack(self) -> None:
         own = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)

@@ -22,7 +22,9 @@ from runtime.target.cpu_packing import Linear, pack_for_cpu, prefill_products
 from runtime.target.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-PREFILL_CHUNK = 2048  # most prompt tokens one prefill forward takes (Transformer.prefill; docs/cpu.md)
+# most prompt tokens one prefill forward takes (Transformer.prefill); measured in
+# docs/logs/cpu-2026-11.md, "Long prompts: maskless causal prefill in chunks (2026-11-28)"
+PREFILL_CHUNK = 2048
 
 
 @dataclass(frozen=True)

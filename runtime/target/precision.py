@@ -4,7 +4,8 @@ prepare's target pass and validate (data.precision and validate.precision, bf16 
 bf16 halves the work only where the hardware computes bf16 products natively: CUDA GPUs that support it, and CPUs
 with AMX for everything. CPUs with AVX512_BF16 dot products but no AMX speed up large products only, so only
 training uses bf16 there. Elsewhere bf16 on a CPU is emulated and slower than fp32, so "auto" keeps fp32 there
-(docs/cpu.md has the measurements).
+(measured in docs/logs/cpu-2026-11.md,
+"Measurements moved out of docstrings (2026-11-28)").
 """
 from __future__ import annotations
 

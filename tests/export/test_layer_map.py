@@ -1,4 +1,4 @@
-"""export/layer_map.py: KL similarity, the monotone DP against brute force, LayerMap JSON, the heatmap."""
+"""export/calibrate/layer_map.py: KL similarity, the monotone DP against brute force, LayerMap JSON, the heatmap."""
 from __future__ import annotations
 
 import itertools

@@ -1,4 +1,4 @@
-"""kernels/cpu_gemm: our fp32 small-batch product against its torch reference, and its batch invariance."""
+"""kernels/cpu_gemm.py: our fp32 small-batch product against its torch reference, and its batch invariance."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""prepare's data: the train/validation split (train.data.is_validation, split_conversations) and the assistant loss
+"""prepare's data: the training/validation split (train.data.is_validation, split_conversations) and the assistant loss
 masks (tokenize_conversation)."""
 from __future__ import annotations
 

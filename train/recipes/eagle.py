@@ -27,7 +27,9 @@ def eagle_loss(target: Transformer, noise: float = 0.1, depth: int = 1, decay: f
 
     candidates > 0: the soft CE is taken over the (micro-)batch's candidate tokens only, the union of every goal's top
     `candidates` ids (and its argmax), with the target's probabilities there: nearly all of each goal's mass for a
-    fraction of the vocabulary-wide work (docs/cpu.md). top1 is then the argmax among the candidates."""
+    fraction of the vocabulary-wide work (docs/logs/cpu-2026-11.md,
+    "The token loss over the batch's candidate ids (2026-11-27, later)"). top1 is then the argmax among the
+    candidates."""
 
     def loss_fn(model: EagleBase, batch: dict) -> tuple[Tensor, dict]:
         t = target_features(target, batch, model.aux_layers)

@@ -1,5 +1,6 @@
 """An EAGLE drafter's greedy draft trees at static shapes: on a CUDA drafter, each propose is one CUDA graph replay
-An eager propose costs about as much as the graphed verify on a GPU (docs/gpu.md): Python, a few dozen kernel
+An eager propose costs about as much as the graphed verify on a GPU (docs/logs/gpu-2026-11.md,
+"2026-11-26: the default eagle bundle on the real target"): Python, a few dozen kernel
 launches and host reads for a drafter of one block. Captured, the whole propose is one launch with no host read: the committed pairs' causal step, then per
 depth the draft head's top-`width` children of the nodes it expands and those nodes' own step.
 

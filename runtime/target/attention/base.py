@@ -22,8 +22,8 @@ from torch import Tensor
 from runtime.target.attention.masks import Causal, Mask, dense_mask
 
 BACKEND_ENV = "DRAFTSMITH_ATTENTION_BACKEND"
-# fastest first, as measured (docs/gpu.md); flashinfer and triton_sparse run only when named until a GPU has shown
-# them faster than sdpa
+# fastest first, as measured (docs/gpu.md, "Current figures"); flashinfer and triton_sparse run only when named
+# until a GPU has shown them faster than sdpa
 AUTO_ORDER = ("sdpa",)
 
 

@@ -217,7 +217,7 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    assert all(m.packed is not None or m.own_fp32 for m in linears)  # own_fp32: kernels/cpu_gemm (AMD)
+    assert all(m.packed is not None or m.own_fp32 for m in linears)  # own_fp32: kernels/cpu_gemm.py (AMD)
     ids = torch.arange(7)[None]
     packed = model(ids, model.new_cache(), ids)[0]
     for m in linears:

@@ -14,7 +14,9 @@ With `EngineConfig.lookup_corpus` the branch drafts from that corpus where the s
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -24,7 +26,7 @@ from runtime.speculation.engine_config import EngineConfig
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.decode_stats import Clock, DecodeStats, Metrics
 from runtime.speculation.drafter import Drafter
-from runtime.target.model import Transformer, context_error
+from runtime.target.model import Taps, Transformer, context_error
 from runtime.drafters.ngram import NgramDrafter
 from runtime.target.quant_kv_cache import QuantizedKVCache, kv_cache_as
 from runtime.speculation.sampling import SamplingParams
@@ -39,7 +41,10 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig()):
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig(),
+                 *, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: the seconds every phase, the metrics and EngineConfig.speed_check are timed with (a test's
+        fake clock makes the speed check's verdict independent of the host's load)."""
         if cfg.max_seq_len > target.max_seq_len:
             raise ValueError(f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the target's max_seq_len "
                              f"{target.max_seq_len} (load the target with a larger max_seq_len)")
@@ -50,7 +55,7 @@ class Engine:
         if cfg.sparse is not None and (drafter is None or len(cfg.sparse.layer_map) != target.config.n_layers):
             raise ValueError(f"EngineConfig.sparse needs a drafter and a layer map with one entry per target layer "
                              f"({target.config.n_layers}), got {len(cfg.sparse.layer_map)}")
-        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.target, self.drafter, self.cfg, self.clock = target, drafter, cfg, clock
         quant, c = cfg.kv_quant, target.config
         self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len) if quant is None else QuantizedKVCache(
             c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
@@ -63,6 +68,7 @@ class Engine:
         # what the drafter reads of each target forward: the residual streams entering these layers, or () the
         # final hidden states
         self.features = drafter.feature_layers if drafter is not None and drafter.needs_features else ()
+        self.taps = Taps.entering(self.features)
         self.static = None
         if cfg.static_verify:
             on_gpu = target.device.type == "cuda"
@@ -77,7 +83,7 @@ class Engine:
         self._check_request(prompt_ids, max_new_tokens)
         cfg, target, cache, drafter = self.cfg, self.target, self.cache, self.drafter
         device, stop = target.device, set(stop_ids)
-        clock = Clock(device)
+        clock = Clock(device, self.clock)
         cache.reset()
 
         n = len(prompt_ids)
@@ -133,7 +139,8 @@ class Engine:
             if self.static is not None:
                 logits, hidden = self.static(tokens, positions, tree_mask, keep, cached=n_cached)
             else:
-                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers, features=self.features)
+                verified = target(tokens, cache, positions, tree_mask, kv_keep=layers, taps=self.taps)
+                logits, hidden = verified.logits, verified.features(self.features)
             stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             verify_s = clock.lap()

@@ -40,7 +40,7 @@ def test_batch_generator_equals_one_at_a_time_decoding(target):
         assert c.tokens == engine.generate(p, n, SamplingParams(), stop_ids=stop).tokens
         assert c.stopped == (c.tokens[-1] in stop)
         full = torch.tensor([p + c.tokens])
-        ref = target.run(full, target.new_cache(1, 64), torch.arange(full.shape[1])[None], no_logits=True).hidden[0]
+        ref = target(full, target.new_cache(1, 64), torch.arange(full.shape[1])[None], no_logits=True).hidden[0]
         assert c.hidden.shape == ref.shape
         torch.testing.assert_close(c.hidden, ref, atol=1e-4, rtol=1e-4)
 
@@ -102,7 +102,7 @@ def test_a_continuing_request_reuses_its_rows_cache(target, keep_hidden):
         assert c.tokens == engine.generate(c.prompt, 6, SamplingParams()).tokens
         if keep_hidden:
             full = torch.tensor([c.prompt + c.tokens])
-            ref = target.run(full, target.new_cache(1, 96), torch.arange(full.shape[1])[None], no_logits=True).hidden
+            ref = target(full, target.new_cache(1, 96), torch.arange(full.shape[1])[None], no_logits=True).hidden
             torch.testing.assert_close(c.hidden, ref[0], atol=1e-4, rtol=1e-4)
 
 

@@ -150,7 +150,7 @@ def assert_three_tokens_follow_the_target(target, prompt: list[int], params, cou
 
     def probs(seq):
         with torch.no_grad():
-            logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+            logits = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None]).logits
         return warp(logits[0, -1], params)
 
     exact = {}

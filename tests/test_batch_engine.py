@@ -266,7 +266,7 @@ def test_batched_eagle_proposes_each_rows_own_tree(target, params):
     ids = torch.randint(0, 96, (3, 14), generator=torch.Generator().manual_seed(3))
     for r, n in enumerate((14, 9, 5)):
         with torch.no_grad():
-            hidden = target.run(ids[r:r + 1, :n], target.new_cache(1, 64), torch.arange(n)[None]).hidden[0]
+            hidden = target(ids[r:r + 1, :n], target.new_cache(1, 64), torch.arange(n)[None]).hidden[0]
         batched.reset(r, ids[r, :n], hidden[:-1])
         alone[r].reset(ids[r, :n], hidden[:-1])
     budgets = {0: DraftBudget(4, 3, 10), 1: DraftBudget(2, 2, 3), 2: DraftBudget(3)}

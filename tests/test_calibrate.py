@@ -391,7 +391,7 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
     target = from_pretrained(target_dir, max_seq_len=64)
     ids = distilled[0].row(0)[0][:40]
     dense = quantized_nll(target, ids, None)
-    full = target.run(ids[None], target.new_cache(1, 40), torch.arange(40)[None]).logits
+    full = target(ids[None], target.new_cache(1, 40), torch.arange(40)[None]).logits
     torch.testing.assert_close(dense, F.cross_entropy(full[0, :-1].float(), ids[1:], reduction="none"))
     errors = {}
     for scheme in ("int8", "int4"):
@@ -401,7 +401,7 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
         one_by_one = []
         with torch.inference_mode():
             for t in range(40):
-                one_by_one.append(target(ids[None, t:t + 1], cache, torch.tensor([[t]]))[0])
+                one_by_one.append(target(ids[None, t:t + 1], cache, torch.tensor([[t]])).logits)
                 cache.advance(1)
         # the tolerance covers fp32 kernels that differ by row count (runtime.target.cpu_packing.Linear), not a misread history
         torch.testing.assert_close(nll, F.cross_entropy(torch.cat(one_by_one, 1)[0, :-1].float(), ids[1:],

@@ -65,7 +65,7 @@ def test_eagle_tree_matches_sequential_recompute(target):
     torch.manual_seed(0)
     model = perturbed(build_eagle(target, None))  # off the pass-through init: tokens, positions, context all matter
     ids = torch.randint(0, 96, (1, 12))
-    feats = target.run(ids, target.new_cache(1, 64), torch.arange(12)[None]).hidden[0]
+    feats = target(ids, target.new_cache(1, 64), torch.arange(12)[None]).hidden[0]
     drafter = EagleDrafter(model, 128)
     drafter.reset(ids[0], feats[:-1])
     params = SamplingParams(temperature=1.0)

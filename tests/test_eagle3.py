@@ -162,8 +162,8 @@ def test_the_engine_feeds_eagle3_the_streams_of_every_verify(target, random_eagl
     torch.testing.assert_close(seen[1][1], features, rtol=1e-3, atol=1e-3)
     ids = torch.tensor(prompt + tokens)[None]
     with torch.no_grad():
-        full = target.run(ids, target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None],
-                          taps=Taps.entering((2, 4, 5)))
+        full = target(ids, target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None],
+                      taps=Taps.entering((2, 4, 5)))
     streams = full.features((2, 4, 5))[0, :features.shape[0]]  # pair j carries position j's streams
     torch.testing.assert_close(features, streams, rtol=1e-3, atol=1e-3)
 
@@ -183,8 +183,8 @@ def test_calibrate_replays_eagle3_on_the_streams_it_reads(target, random_eagle3)
 def test_static_trees_are_the_eager_trees(target, random_eagle3):
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        feats = target.run(ids[None], target.new_cache(1, 32), torch.arange(30)[None],
-                           taps=Taps.entering((2, 4, 5))).features((2, 4, 5))[0]
+        feats = target(ids[None], target.new_cache(1, 32), torch.arange(30)[None],
+                       taps=Taps.entering((2, 4, 5))).features((2, 4, 5))[0]
     eager, static = EagleDrafter(random_eagle3, 64), EagleDrafter(random_eagle3, 64)
     static.static = StaticEagleTree(random_eagle3, static.cache, use_graph=False)
     for d in (eager, static):
@@ -255,8 +255,8 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
         for i in range(len(rows)):
             ids = rows.row(i)[0][None]
             with torch.no_grad():
-                out = target.run(ids, target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None],
-                                 taps=Taps.entering((2, 4, 5)))
+                out = target(ids, target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None],
+                             taps=Taps.entering((2, 4, 5)))
             features.append(out.with_streams((2, 4, 5))[0])
         for split in ("train", "val"):
             rows.save(ctx.out / f"{split}.safetensors")

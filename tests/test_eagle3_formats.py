@@ -137,7 +137,7 @@ def test_the_entering_streams_are_hf_hidden_states_at_the_same_index(target, tar
     ids = torch.arange(3, 15)[None]
     with torch.no_grad():
         states = hf(ids, output_hidden_states=True).hidden_states
-        out = target.run(ids, target.new_cache(1, 12), torch.arange(12)[None], taps=Taps.entering((2, 4, 5)))
+        out = target(ids, target.new_cache(1, 12), torch.arange(12)[None], taps=Taps.entering((2, 4, 5)))
     torch.testing.assert_close(out.features((2, 4, 5)), torch.cat([states[2], states[4], states[5]], -1),
                                rtol=1e-4, atol=1e-4)
 

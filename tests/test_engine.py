@@ -34,7 +34,7 @@ def greedy_reference(target, prompt, n):
     """Plain greedy decoding by full forwards, no cache: the oracle the engine must reproduce."""
     seq = list(prompt)
     for _ in range(n):
-        logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+        logits = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None]).logits
         seq.append(int(logits[0, -1].argmax()))
     return seq
 
@@ -128,7 +128,7 @@ def test_noisy_oracle_speculation_is_lossless(target, width, adaptive):
     features = torch.cat(drafter.features)
     seq = torch.tensor(drafter.tokens[:-1])
     with torch.no_grad():
-        _, hidden = target(seq[None], target.new_cache(), torch.arange(len(seq))[None])
+        hidden = target(seq[None], target.new_cache(), torch.arange(len(seq))[None]).hidden
     assert features.shape[0] == len(drafter.tokens) - 1
     torch.testing.assert_close(features, hidden[0], atol=2e-5, rtol=1e-4)
 
@@ -172,7 +172,7 @@ def test_speed_check_times_a_plain_step_and_pauses_speculation_that_loses_to_it(
         engine.target.forward = lambda tokens, *a, **k: widths.append(tokens.shape[1]) or forward(tokens, *a, **k)
         gen = engine.generate(PROMPT, 100)
         assert gen.tokens == want
-        return gen.metrics, widths  # the prefill runs Transformer.prefill
+        return gen.metrics, widths[1:]  # widths[0]: the prefill
 
     m, widths = run(cfg)
     drafted, timed = [4] * 4, [1]

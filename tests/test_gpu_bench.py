@@ -57,8 +57,13 @@ def test_static_steps_attend_over_the_span_that_holds_the_context(smollm2_shape,
     engine = Engine(model, ReplayDrafter(model.config.vocab_size, references, 0.7, seed=1),
                     EngineConfig(max_seq_len=128, adaptive=False, static_verify=True))
     spans.clear()
-    run_placed = model.run_placed
-    monkeypatch.setattr(model, "run_placed", lambda *a, **k: spans.append(a[4]) or run_placed(*a, **k))
+    forward = model.forward
+
+    def keys_read(tokens, cache, *a, mask=None, **k):  # a static step's span, else the cached keys and its own
+        spans.append(mask.shape[-1] if mask is not None else int(cache.lengths.max()) + tokens.shape[1])
+        return forward(tokens, cache, *a, mask=mask, **k)
+
+    monkeypatch.setattr(model, "forward", keys_read)
     assert engine.generate(prompt, 30, SamplingParams()).tokens == references[tuple(prompt)][20:50]
     assert spans[0] == 20  # the prefill, eager: its 20 keys
     assert spans[1:] == sorted(spans[1:]) and set(spans[1:]) == {32, 64}  # cached + a verify's bucket: 21..58
@@ -91,7 +96,8 @@ def test_static_verify_step_equals_the_eager_forward(smollm2_shape, buckets, pro
     positions = prompt_len + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])[None]
     with torch.inference_mode():
         eager_cache, static_cache = _prefilled(model, prompt, max_len), _prefilled(model, prompt, max_len)
-        logits, hidden = model(tokens, eager_cache, positions, tree.ancestor_mask())
+        eager = model(tokens, eager_cache, positions, tree.ancestor_mask())
+        logits, hidden = eager.logits, eager.hidden
         verifier = StaticVerifier(model, static_cache, buckets, use_graph=False)
         s_logits, s_hidden = verifier(tokens, positions, tree.ancestor_mask())
     assert s_logits.shape == logits.shape and s_hidden.shape == hidden.shape

@@ -87,12 +87,12 @@ def test_kd_loss_compares_next_token_distributions_on_assistant_tokens(target, k
 
     def next_token_logits(model):
         with torch.no_grad():
-            return model(ids[:, :7], model.new_cache(1, 10), torch.arange(7)[None])[0][:, -1]
+            return model(ids[:, :7], model.new_cache(1, 10), torch.arange(7)[None]).logits[:, -1]
 
     want = KD_DISTANCES[kind](next_token_logits(target), next_token_logits(drafter), torch.tensor([True]))
     assert want > 1e-3 and loss.item() == pytest.approx(want.item(), rel=1e-4)
     # offline mode: the target's features come from the batch (prepare's cache) instead of a target forward
-    cached = target.run_uncached(ids, no_logits=True).hidden
+    cached = target.forward_uncached(ids, no_logits=True).hidden
     assert loss_fn(drafter, {**batch, "features": cached})[0].item() == pytest.approx(loss.item(), rel=1e-5)
     assert loss_fn(copy, {**batch, "features": torch.zeros_like(cached)})[0].item() > 1e-3
 
@@ -188,7 +188,7 @@ def test_hf_conversion_round_trips(tiny_model_dir, tmp_path, arch, overrides):
     assert back.config == model.config
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
     ids = torch.randint(0, VOCAB, (1, 9))
-    ours = model(ids, model.new_cache(1, 9), torch.arange(9)[None])[0]
+    ours = model(ids, model.new_cache(1, 9), torch.arange(9)[None]).logits
     with torch.no_grad():
         torch.testing.assert_close(hf_causal_lm(model)(ids).logits, ours, rtol=1e-4, atol=1e-4)
 

@@ -137,7 +137,7 @@ def test_a_chunked_prefill_keeps_speculation_lossless(tiny_llama_dir, monkeypatc
     prompt = [5, 17, 33, 5, 17, 42, 8, 5, 17, 33, 61, 2, 9, 5, 17]
     seq = list(prompt)
     for _ in range(20):  # plain greedy decoding by whole forwards
-        logits, _ = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None])
+        logits = target(torch.tensor([seq]), target.new_cache(), torch.arange(len(seq))[None]).logits
         seq.append(int(logits[0, -1].argmax()))
     cfg = EngineConfig(max_seq_len=64)
     ar = Engine(target, None, cfg).generate(prompt, 20)

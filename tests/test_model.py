@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from runtime.target.attention import attention_mask
 from runtime.target.kv_cache import KVCache
 from runtime.target.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
 from runtime.target.model import ModelConfig, RMSNorm, Taps, Transformer
@@ -36,15 +37,15 @@ def test_logits_match_transformers(tiny_model_dir, arch, overrides):
     model = from_pretrained(path, max_seq_len=64)
 
     cache = model.new_cache(batch=2)
-    logits, hidden = model(ids, cache, positions_for(cache, 18))
-    torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
-    assert hidden.shape == (2, 18, 64)
+    out = model(ids, cache, positions_for(cache, 18))
+    torch.testing.assert_close(out.logits, ref, atol=2e-5, rtol=1e-4)
+    assert out.hidden.shape == (2, 18, 64)
 
     # prefill then one token at a time through the static cache gives the same logits
     cache = model.new_cache(batch=2)
     steps = []
     for chunk in (ids[:, :11],) + tuple(ids[:, t:t + 1] for t in range(11, 18)):
-        steps.append(model(chunk, cache, positions_for(cache, chunk.shape[1]))[0])
+        steps.append(model(chunk, cache, positions_for(cache, chunk.shape[1])).logits)
         cache.advance(chunk.shape[1])
     torch.testing.assert_close(torch.cat(steps, 1), ref, atol=2e-5, rtol=1e-4)
 
@@ -59,11 +60,11 @@ def test_taps_match_transformers_hidden_states_and_attention(tiny_model_dir):
     ref = hf.eval()(ids, output_hidden_states=True, output_attentions=True)
     model = from_pretrained(path, max_seq_len=32)
     cache = model.new_cache()
-    out = model.run(ids, cache, positions_for(cache, 9), taps=Taps(hidden_layers=(0,), attention_layers=(1,)))
+    out = model(ids, cache, positions_for(cache, 9), taps=Taps(hidden_layers=(0,), attention_layers=(1,)))
     torch.testing.assert_close(out.layer_hidden[0], ref.hidden_states[1], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out.attention[1], ref.attentions[1], atol=2e-6, rtol=1e-4)
     assert set(out.layer_hidden) == {0} and set(out.attention) == {1}
-    plain = model.run(ids, model.new_cache(), positions_for(cache, 9))
+    plain = model(ids, model.new_cache(), positions_for(cache, 9))
     assert plain.layer_hidden == {} and plain.attention == {}
     torch.testing.assert_close(plain.logits, out.logits)
 
@@ -81,12 +82,33 @@ def test_batch_with_different_lengths_matches_single_sequences(tiny_llama_dir):
         padded[b, :len(p)] = p
     model(padded, cache, positions_for(cache, 12))
     cache.advance(torch.tensor([7, 12]))
-    batched, _ = model(nxt, cache, positions_for(cache, 3))
+    batched = model(nxt, cache, positions_for(cache, 3)).logits
 
     for b, p in enumerate(prompts):
         single = model.new_cache()
-        want, _ = model(torch.cat([p, nxt[b]])[None], single, torch.arange(len(p) + 3)[None])
+        want = model(torch.cat([p, nxt[b]])[None], single, torch.arange(len(p) + 3)[None]).logits
         torch.testing.assert_close(batched[b], want[0, -3:], atol=2e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_forward_over_slots_and_a_mask_the_caller_chose_is_the_forward_that_builds_them(tiny_llama_dir):
+    """A static step's placement: the same slots, a mask over a wider key span than the live keys."""
+    model = from_pretrained(tiny_llama_dir, max_seq_len=32)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(6))
+    built, placed = model.new_cache(), model.new_cache()
+    for cache in (built, placed):
+        model(ids[:, :8], cache, positions_for(cache, 8))
+        cache.advance(8)
+    positions = positions_for(built, 4)
+    want = model(ids[:, 8:], built, positions)
+    mask = attention_mask(placed.lengths, positions, 16, None, always=True)  # keys 12..15: unwritten, unseen
+    got = model(ids[:, 8:], placed, positions, slots=placed.slots(4), mask=mask)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(placed.k[:, :, :, :12], built.k[:, :, :, :12])
+    with pytest.raises(ValueError, match="slots need the mask"):
+        model(ids[:, 8:], placed, positions, slots=placed.slots(4))
+    with pytest.raises(ValueError, match="a mask comes with its slots"):
+        model(ids[:, 8:], placed, positions, mask=mask)
 
 
 def random_tree(n: int, gen: torch.Generator) -> DraftTree:
@@ -104,7 +126,7 @@ def path_to(tree: DraftTree, node: int) -> list[int]:
 
 def verify_random_tree(model: Transformer, n_prefix: int, n_nodes: int):
     """A random prefix committed to a fresh cache, then one tree-verify forward over a random root and tree:
-    (prefix, root, tree, cache, (logits, hidden))."""
+    (prefix, root, tree, cache, ForwardOutput)."""
     gen = torch.Generator().manual_seed(4)
     prefix, root = torch.randint(0, 96, (n_prefix,), generator=gen), torch.randint(0, 96, (1,), generator=gen)
     tree = random_tree(n_nodes, gen)
@@ -122,23 +144,23 @@ def test_tree_verify_and_compact_equal_plain_decoding(tiny_model_dir, arch, over
     """Each tree node sees the prefix and its ancestors only; after compacting to one path the cache is the
     cache of plain decoding along that path."""
     model = from_pretrained(tiny_model_dir(arch, **overrides), max_seq_len=64)
-    prefix, root, tree, cache, (tree_logits, tree_hidden) = verify_random_tree(model, 10, 9)
+    prefix, root, tree, cache, verified = verify_random_tree(model, 10, 9)
 
     for node in range(len(tree)):
         path = path_to(tree, node)
         seq = torch.cat([prefix, root, tree.tokens[path]])
-        want, want_hidden = model(seq[None], model.new_cache(), torch.arange(len(seq))[None])
-        torch.testing.assert_close(tree_logits[0, node + 1], want[0, -1], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(tree_hidden[0, node + 1], want_hidden[0, -1], atol=2e-5, rtol=1e-4)
+        want = model(seq[None], model.new_cache(), torch.arange(len(seq))[None])
+        torch.testing.assert_close(verified.logits[0, node + 1], want.logits[0, -1], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(verified.hidden[0, node + 1], want.hidden[0, -1], atol=2e-5, rtol=1e-4)
 
     deepest = int(tree.depths().argmax())
     path = path_to(tree, deepest)
     cache.compact(torch.tensor([0] + [i + 1 for i in path]))
     assert int(cache.lengths[0]) == 11 + len(path)
     nxt = torch.tensor([[5]])
-    after, _ = model(nxt, cache, positions_for(cache, 1))
+    after = model(nxt, cache, positions_for(cache, 1)).logits
     seq = torch.cat([prefix, root, tree.tokens[path], nxt[0]])
-    want, _ = model(seq[None], model.new_cache(), torch.arange(len(seq))[None])
+    want = model(seq[None], model.new_cache(), torch.arange(len(seq))[None]).logits
     torch.testing.assert_close(after[0, -1], want[0, -1], atol=2e-5, rtol=1e-4)
 
 
@@ -201,10 +223,10 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
     sharded = from_pretrained(tmp_path, max_seq_len=32)
     ids = torch.arange(12)[None]
     with torch.no_grad():
-        torch.testing.assert_close(sharded(ids, sharded.new_cache(), ids)[0], hf.eval()(ids).logits,
+        torch.testing.assert_close(sharded(ids, sharded.new_cache(), ids).logits, hf.eval()(ids).logits,
                                    atol=2e-5, rtol=1e-4)
         bf16 = from_pretrained(tmp_path, dtype=torch.bfloat16, max_seq_len=32)
-        logits = bf16(ids, bf16.new_cache(), ids)[0]
+        logits = bf16(ids, bf16.new_cache(), ids).logits
     assert bf16.rope_cos.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
     # bf16 weights are prepacked only where oneDNN can (AVX-512 or AVX-NE-CONVERT); elsewhere the plain kernel runs
     assert {m.packed is not None for m in bf16.modules() if isinstance(m, Linear)} == {onednn_packs(torch.bfloat16)}
@@ -219,10 +241,10 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
         pytest.skip("no oneDNN in this torch build")
     assert all(m.packed is not None or m.own_fp32 for m in linears)  # own_fp32: kernels/cpu_gemm (AMD)
     ids = torch.arange(7)[None]
-    packed = model(ids, model.new_cache(), ids)[0]
+    packed = model(ids, model.new_cache(), ids).logits
     for m in linears:
         m.unpack()
-    torch.testing.assert_close(packed, model(ids, model.new_cache(), ids)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed, model(ids, model.new_cache(), ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_fp32_products_are_prepacked_from_one_row_except_on_intel():
@@ -297,11 +319,11 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     ref = hf_model(smollm2_dir)(ids).logits
     model = from_pretrained(smollm2_dir, max_seq_len=64)
     cache = model.new_cache()
-    prefill, _ = model(ids[:, :20], cache, positions_for(cache, 20))
+    prefill = model(ids[:, :20], cache, positions_for(cache, 20)).logits
     cache.advance(20)
     decode = [prefill]
     for t in range(20, 24):
-        decode.append(model(ids[:, t:t + 1], cache, positions_for(cache, 1))[0])
+        decode.append(model(ids[:, t:t + 1], cache, positions_for(cache, 1)).logits)
         cache.advance(1)
     torch.testing.assert_close(torch.cat(decode, 1), ref, atol=1e-3, rtol=1e-4)
     assert torch.equal(torch.cat(decode, 1).argmax(-1), ref.argmax(-1))
@@ -314,7 +336,7 @@ def test_bf16_tree_verify_equals_one_token_decoding_bit_for_bit(tiny_llama_dir):
     does not, so attention computes in fp64 (runtime.target.attention.exact_dtype). With bf16 SDPA instead, 4 of these
     24 nodes differ on the 2-core CI CPU."""
     model = from_pretrained(tiny_llama_dir, max_seq_len=160, dtype=torch.bfloat16)
-    prefix, root, tree, _, (tree_logits, _) = verify_random_tree(model, 100, 24)
+    prefix, root, tree, _, verified = verify_random_tree(model, 100, 24)
 
     differs = []
     for node in range(len(tree)):
@@ -322,8 +344,8 @@ def test_bf16_tree_verify_equals_one_token_decoding_bit_for_bit(tiny_llama_dir):
         model(prefix[None], decode, positions_for(decode, 100))
         decode.advance(100)
         for tok in torch.cat([root, tree.tokens[path_to(tree, node)]]):
-            logits, _ = model(tok.view(1, 1), decode, positions_for(decode, 1))
+            logits = model(tok.view(1, 1), decode, positions_for(decode, 1)).logits
             decode.advance(1)
-        if not torch.equal(tree_logits[0, node + 1], logits[0, -1]):
+        if not torch.equal(verified.logits[0, node + 1], logits[0, -1]):
             differs.append(node)
     assert not differs, f"nodes {differs} of {len(tree)}: tree-verify logits differ from one-token decoding"

@@ -40,7 +40,7 @@ def test_batch_generator_equals_one_at_a_time_decoding(target):
         assert c.tokens == engine.generate(p, n, SamplingParams(), stop_ids=stop).tokens
         assert c.stopped == (c.tokens[-1] in stop)
         full = torch.tensor([p + c.tokens])
-        ref = target.run(full, target.new_cache(1, 64), torch.arange(full.shape[1])[None], no_logits=True).hidden[0]
+        ref = target(full, target.new_cache(1, 64), torch.arange(full.shape[1])[None], no_logits=True).hidden[0]
         assert c.hidden.shape == ref.shape
         torch.testing.assert_close(c.hidden, ref, atol=1e-4, rtol=1e-4)
 
@@ -53,13 +53,13 @@ def test_batch_generator_decodes_only_its_busy_rows(target):
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 3, 11, 7, 4)]
     gen = BatchGenerator(target, batch_size=4, max_len=64)
     fed = []
-    run = target.run  # every step's forward, recorded by its token shape
+    forward = target.forward  # every step's forward, recorded by its token shape
 
     def recorded(tokens, *args, **kwargs):
         fed.append(tokens.shape)
-        return run(tokens, *args, **kwargs)
+        return forward(tokens, *args, **kwargs)
 
-    target.run = recorded
+    target.forward = recorded
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         gen.submit(Request(i, p, n))
     done = {}
@@ -67,7 +67,7 @@ def test_batch_generator_decodes_only_its_busy_rows(target):
         while gen.busy:
             done.update({c.key: c for c in gen.step()})
     finally:
-        del target.run
+        del target.forward
     decode_rows = [b for b, t in fed if t == 1]  # prefills feed whole prompts (none is one token long)
     assert sum(decode_rows) == sum(budgets) - len(budgets)  # the prefill gives each answer's first token
     assert max(decode_rows) == 4 and decode_rows[-1] == 1  # the longest answer ends alone
@@ -102,7 +102,7 @@ def test_a_continuing_request_reuses_its_rows_cache(target, keep_hidden):
         assert c.tokens == engine.generate(c.prompt, 6, SamplingParams()).tokens
         if keep_hidden:
             full = torch.tensor([c.prompt + c.tokens])
-            ref = target.run(full, target.new_cache(1, 96), torch.arange(full.shape[1])[None], no_logits=True).hidden
+            ref = target(full, target.new_cache(1, 96), torch.arange(full.shape[1])[None], no_logits=True).hidden
             torch.testing.assert_close(c.hidden, ref[0], atol=1e-4, rtol=1e-4)
 
 

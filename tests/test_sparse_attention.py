@@ -128,14 +128,14 @@ def test_model_keep_all_equals_dense_bit_for_bit(target):
         tokens = torch.cat([torch.tensor([7]), t.tokens])[None]
         keep = [None, None] + [torch.ones(1, 2, 1, 35, dtype=torch.bool)] * (N_LAYERS - 2) if keep_all else None
         outputs.append(target(tokens, cache, 30 + torch.cat([torch.tensor([0]), t.depths()])[None],
-                              t.ancestor_mask(), kv_keep=keep)[0])
+                              t.ancestor_mask(), kv_keep=keep).logits)
     assert torch.equal(*outputs)
 
 
 def test_eagle_draft_attention_is_aligned_to_target_keys(target, eagle):
     prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3))
     cache = target.new_cache()
-    _, hidden = target(prompt[None], cache, torch.arange(20)[None])
+    hidden = target(prompt[None], cache, torch.arange(20)[None]).hidden
     drafter = EagleDrafter(eagle, 128)
     drafter.reset(torch.cat([prompt, torch.tensor([9])]), hidden[0])
     drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())
@@ -167,7 +167,7 @@ def test_lm_draft_attention_is_every_layers_rows_over_the_prefix(target):
     drafter.propose(DraftBudget(depth=1, width=2), SamplingParams())  # depth 1: the root query alone
     att = drafter.draft_attention()
     assert att.shape == (2, 4, 20)
-    out = lm.run(tokens[None], lm.new_cache(1, 21), torch.arange(21)[None], taps=Taps(attention_layers=(0, 1)))
+    out = lm(tokens[None], lm.new_cache(1, 21), torch.arange(21)[None], taps=Taps(attention_layers=(0, 1)))
     torch.testing.assert_close(att, torch.stack([out.attention[i][0, :, -1, :20] for i in (0, 1)]))
     drafter.reset(tokens)
     drafter.propose(DraftBudget(depth=3, width=2, nodes=4), SamplingParams())  # expanded nodes add their rows

@@ -35,7 +35,7 @@ BUDGETS = [DraftBudget(3), DraftBudget(2), DraftBudget(4, 2), DraftBudget(1, 3),
 def test_static_tree_proposes_what_the_eager_drafter_does(target, eagle, buckets, monkeypatch, min_span):
     ids = torch.randint(0, target.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        feats = target.run(ids[None], target.new_cache(1, 64), torch.arange(48)[None]).hidden[0]
+        feats = target(ids[None], target.new_cache(1, 64), torch.arange(48)[None]).hidden[0]
     eager, static = EagleDrafter(eagle, 64), EagleDrafter(eagle, 64)
     static.static = StaticEagleTree(eagle, static.cache, buckets=buckets, use_graph=False)
     for d in (eager, static):

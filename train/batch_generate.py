@@ -121,8 +121,8 @@ class BatchGenerator:
         return done
 
     def _forward(self, tokens, cache, positions, last_logits_only: bool = False):
-        out = self.target.run(tokens, cache, positions, taps=Taps.entering(self.streams),
-                              last_logits_only=last_logits_only)
+        out = self.target(tokens, cache, positions, taps=Taps.entering(self.streams),
+                          last_logits_only=last_logits_only)
         return out.logits, out.with_streams(self.streams)
 
     def _continuations(self) -> list[tuple[int, Request]]:

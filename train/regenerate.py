@@ -140,8 +140,8 @@ def cache_features(target: Transformer, ts: TokenizedSet, work: Path, batch_size
             for b, (row_ids, _) in enumerate(rows):
                 ids[b, :row_ids.numel()] = row_ids  # right padding: causal attention never sees it
             positions = torch.arange(T).expand(len(rows), T)
-            hidden = target.run(ids.to(target.device), target.new_cache(len(rows), T), positions.to(target.device),
-                                taps=Taps.entering(streams), no_logits=True).with_streams(streams)
+            hidden = target(ids.to(target.device), target.new_cache(len(rows), T), positions.to(target.device),
+                            taps=Taps.entering(streams), no_logits=True).with_streams(streams)
             for b, (key, (row_ids, mask)) in enumerate(zip(todo[start:start + batch_size], rows)):
                 n = row_ids.numel()
                 writer.add(Row(key, row_ids.tolist(), mask.int().tolist(), hidden[b, :n].cpu()))

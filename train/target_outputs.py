@@ -37,7 +37,7 @@ def target_features(target: Transformer, batch: dict, streams: tuple[int, ...] =
         ids = batch["input_ids"]
         B, T = ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T)
-        out = target.run(ids, target.new_cache(B, T), positions, taps=Taps.entering(streams), no_logits=True)
+        out = target(ids, target.new_cache(B, T), positions, taps=Taps.entering(streams), no_logits=True)
         features = out.with_streams(streams).split(target.config.dim, -1)
     aux = torch.cat(features[1:], -1) if streams else None
     return TargetOutputs(features[0], batch["loss_mask"].bool(), aux)

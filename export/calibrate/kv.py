@@ -34,7 +34,7 @@ def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None)
     while start < T:
         n = T - start if not isinstance(cache, QuantizedKVCache) else min(T - start, cache.exact_depth() + 1)
         chunk = ids[start:start + n].to(target.device)
-        logits.append(target(chunk[None], cache, torch.arange(start, start + n, device=target.device)[None])[0])
+        logits.append(target(chunk[None], cache, torch.arange(start, start + n, device=target.device)[None]).logits)
         cache.advance(n)
         start += n
     return next_token_nll(torch.cat(logits, dim=1), ids.to(target.device))

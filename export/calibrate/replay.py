@@ -22,7 +22,7 @@ import torch
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.engine import Engine
 from runtime.target.kv_cache import KVCache
-from runtime.target.model import Taps, Transformer
+from runtime.target.model import ForwardOutput, Taps, Transformer
 from runtime.speculation.sampling import SamplingParams
 
 
@@ -40,8 +40,8 @@ def reference(engine: Engine, prompt: list[int], new_tokens: int, stop_ids: tupl
     drafter reads of the target (the hidden states or the streams it fuses) over prompt and reply."""
     g = engine.generate(prompt, new_tokens, SamplingParams(), None, stop_ids)
     ids = torch.tensor([prompt + g.tokens], device=engine.target.device)
-    out = engine.target.run(ids, engine.target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None].to(
-        ids.device), taps=Taps.entering(engine.features), no_logits=True)
+    out = engine.target(ids, engine.target.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None].to(
+        ids.device), taps=engine.taps, no_logits=True)
     return Reference(prompt, g.tokens, out.features(engine.features)[0], g.metrics.prefill_s)
 
 
@@ -69,13 +69,13 @@ class ReplayTarget:
                 progress=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Transformer.prefill's answer from the reference: the prompt's last logits and the drafter's features."""
         positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        logits, hidden = self(tokens, cache, positions, last_logits_only=True)
+        out = self(tokens, cache, positions, taps=Taps.entering(features or ()), last_logits_only=True)
         cache.advance(tokens.shape[1])
-        return logits, None if features is None else hidden
+        return out.logits, None if features is None else out.features(features)
 
     def __call__(self, tokens: torch.Tensor, cache, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
-                 *, last_logits_only: bool = False, kv_keep=None, features: tuple[int, ...] = ()
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 *, taps: Taps = Taps(), last_logits_only: bool = False, kv_keep=None) -> ForwardOutput:
+        """Transformer.forward's answer; of the hidden states only what the drafter reads, which `taps` asks for."""
         start, last = time.perf_counter(), len(self.sequence) - 1
         position = positions[0].clamp(max=last)
         # a row past the reply's end follows its stop id: whatever it predicts is cut from the reply
@@ -85,7 +85,11 @@ class ReplayTarget:
         if not last_logits_only:
             self.verify_rows[tokens.shape[1]] += 1
             self.verify_s += time.perf_counter() - start
-        return logits, self.hidden[position][None]
+        read = self.hidden[position][None]
+        streams = taps.hidden_layers  # the reference holds them concatenated, as ForwardOutput.features gives them
+        if not streams:
+            return ForwardOutput(logits, read)
+        return ForwardOutput(logits, None, dict(zip(streams, read.split(self.config.dim, -1))))
 
 
 def replay(target: ReplayTarget, engine: Engine, refs: list[Reference], new_tokens: int,

@@ -64,7 +64,7 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
     T = ids.numel()
     layers = tuple(range(target.config.n_layers)) if target_attention else ()
     taps = Taps(hidden_layers=Taps.entering(kind.reads(model)).hidden_layers, attention_layers=layers)
-    out = target.run(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps)
+    out = target(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps)
     att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])).float() if layers else None
     att_d = kind.draft_attention(model, out, ids)
     return CalibrationRow(ids, att_t, att_d.float(), next_token_nll(out.logits, ids))
@@ -106,7 +106,7 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
     keep = kept_keys(selector(row), torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink,
                      sparse.recent)
     layer_keep = sparse.layer_keep(keep)
-    out = target.run(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep)
+    out = target(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep)
     reads, dense = kv_reads(layer_keep, torch.ones(T, T, dtype=torch.bool).tril(), target.config.n_kv_heads)
     return next_token_nll(out.logits, row.ids), reads, dense
 

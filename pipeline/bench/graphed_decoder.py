@@ -44,7 +44,7 @@ class GraphedGreedyDecoder:
         """The model's own forward of one token at static shapes: KV written at its position, attention over the
         span's slots up to it; the argmax feeds the next step."""
         visible = (self.key_slot[:span] <= self.pos[0, 0]).view(1, 1, 1, span)
-        out = self.model.run_placed(self.token, self.cache, self.pos, self.pos, span, visible, last_logits_only=True)
+        out = self.model(self.token, self.cache, self.pos, slots=self.pos, mask=visible, last_logits_only=True)
         nxt = out.logits[0, -1].argmax().view(1)
         self.out.index_copy_(0, self.step, nxt)
         self.token.copy_(nxt.view(1, 1))
@@ -75,7 +75,7 @@ class GraphedGreedyDecoder:
         m, cache, dev = self.model, self.cache, self.model.device
         cache.reset()
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-        logits, _ = m(prompt, cache, torch.arange(n, device=dev)[None], last_logits_only=True)
+        logits = m(prompt, cache, torch.arange(n, device=dev)[None], last_logits_only=True).logits
         first = logits[0, -1].argmax().view(1)
         self.out[:1].copy_(first)
         self.token.copy_(first.view(1, 1))

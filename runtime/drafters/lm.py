@@ -83,7 +83,7 @@ class LMDrafter(Drafter):
         positions = n + torch.arange(toks.numel(), device=lm.device)
         prefix = n + toks.numel() - 1  # the root's position: the target verifies it after keys 0..prefix-1
         taps = self.taps if self.track_attention else Taps()
-        out = lm.run(toks[None], cache, positions[None], taps=taps, no_logits=True)
+        out = lm(toks[None], cache, positions[None], taps=taps, no_logits=True)
         cache.advance(toks.numel())
         self.pending = []
         slots = TreeSlots(prefix_len=int(cache.lengths[0]), root_position=prefix, device=lm.device)
@@ -95,7 +95,7 @@ class LMDrafter(Drafter):
             self.tree = (c, slots)
             tokens = torch.tensor([[c.tokens[i] for i in nodes]], device=lm.device)
             s, pos, mask = slots.place(c, nodes)
-            o = lm.run_placed(tokens, cache, pos, s, mask.shape[-1], mask, taps=taps, no_logits=True)
+            o = lm(tokens, cache, pos, slots=s, mask=mask, taps=taps, no_logits=True)
             if weights is not None:
                 weights.add_(torch.stack([o.attention[i][0, :, :, :prefix].sum(1) for i in taps.attention_layers]))
             return tree_probs(head(o.hidden[0]), params)
@@ -111,7 +111,7 @@ class LMDrafter(Drafter):
 
 
 class LMStep(nn.Module):
-    """The LM drafter's forward over whole sequences without a KV cache (Transformer.run_uncached); its reduced
+    """The LM drafter's forward over whole sequences without a KV cache (Transformer.forward_uncached); its reduced
     draft vocabulary, if any, is a row selection the caller applies."""
 
     def __init__(self, model: Transformer):
@@ -119,7 +119,7 @@ class LMStep(nn.Module):
         self.model = model
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model.run_uncached(input_ids).logits
+        return self.model.forward_uncached(input_ids).logits
 
 
 class LMKind(DrafterKind):
@@ -146,7 +146,7 @@ class LMKind(DrafterKind):
     def draft_attention(self, module, target_out, ids):
         T = ids.numel()
         taps = Taps(attention_layers=tuple(range(module.config.n_layers)))
-        o = module.run(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
+        o = module(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
         return torch.stack([o.attention[i][0] for i in taps.attention_layers])
 
     def hf_assistant(self, drafter):

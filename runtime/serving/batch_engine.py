@@ -34,7 +34,7 @@ from runtime.speculation.decode_stats import Clock, DecodeStats
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import EngineConfig, Generation, check_request, prompt_window
 from runtime.target.kv_cache import KVCache
-from runtime.target.model import Transformer
+from runtime.target.model import Taps, Transformer
 from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
@@ -96,6 +96,7 @@ class BatchEngine:
         self.cache = KVCache(c.n_layers, max_batch, c.n_kv_heads, cfg.max_seq_len + longest + 1, c.head_dim,
                              target.dtype, target.device)
         self.features = self.drafter.feature_layers if self.drafter is not None and self.drafter.needs_features else ()
+        self.taps = Taps.entering(self.features)
         # a step of one row verifies at static shapes (a CUDA graph on a GPU) as Engine does; a batch eagerly
         self.static = StaticVerifier(target, self.cache.rows_view(0, 1), use_graph=target.device.type == "cuda",
                                      features=self.features, compile=cfg.compile_static) if cfg.static_verify else None
@@ -236,7 +237,8 @@ class BatchEngine:
         if self.static is not None and len(rows) == 1:
             return self.static(inputs[0], inputs[1], None if tree_mask is None else tree_mask[0],
                                cached=rows[0].n_cached)
-        return self.target(inputs[0], view, inputs[1], tree_mask, features=self.features)
+        out = self.target(inputs[0], view, inputs[1], tree_mask, taps=self.taps)
+        return out.logits, out.features(self.features)
 
     def _compact(self, view: KVCache, kept: list[list[int]]) -> None:
         """Each row's cache keeps its root's and accepted nodes' slots: an accepted chain is already in place."""
@@ -258,8 +260,9 @@ class BatchEngine:
         view = self.cache.row(b)
         view.lengths.zero_()
         prompt = torch.tensor(request.prompt, dtype=torch.long, device=device)
-        logits, hidden = self.target(prompt[None], view, torch.arange(n, device=device)[None], last_logits_only=True,
-                                     features=self.features)
+        out = self.target(prompt[None], view, torch.arange(n, device=device)[None], taps=self.taps,
+                          last_logits_only=True)
+        logits, hidden = out.logits, out.features(self.features)
         view.advance(n)
         root = verify(DraftTree.empty(device), logits[0], request.params, request.generator).next_token
         greedy_lookup = self.lookup_depth and request.params.greedy

@@ -127,7 +127,7 @@ class StaticVerifier:
         require_cuda(model.device, use_graph)
         check_static_inputs("StaticVerifier", cache, buckets)
         self.model, self.cache, self.use_graph, self.warmup = model, cache, use_graph, warmup
-        self.features = features
+        self.features, self.taps = features, Taps.entering(features)
         self.sizes = tuple(sorted(set(buckets)))
         self.buckets: dict[tuple[int, bool], _Bucket] = {}  # (size, sparse): a sparse step is another graph
         self.offsets = torch.arange(max(buckets), device=model.device)
@@ -147,7 +147,8 @@ class StaticVerifier:
         if size is None or cached + size > self.cache.max_len:
             n_live = cached + T
             layers = None if keep is None else self.sparse.layer_keep(keep[..., :n_live])
-            return self.model(tokens, self.cache, positions, tree_mask, kv_keep=layers)
+            out = self.model(tokens, self.cache, positions, tree_mask, kv_keep=layers, taps=self.taps)
+            return out.logits, out.features(self.features)
         if keep is not None:
             if self.keep is None:
                 self.keep = torch.empty_like(keep)
@@ -179,6 +180,5 @@ class StaticVerifier:
         kv_keep = None
         if b.sparse:  # new views every step: a backend lists their keys inside the graph, not from a stale call
             kv_keep = self.sparse.layer_keep(self.keep[..., :span] & (self.key_slot[:span] < cache.lengths[0] + size))
-        out = m.run_placed(b.tokens, cache, b.positions, slots, span, mask, taps=Taps.entering(self.features),
-                           kv_keep=kv_keep)
+        out = m(b.tokens, cache, b.positions, slots=slots, mask=mask, taps=self.taps, kv_keep=kv_keep)
         return out.logits, out.features(self.features)

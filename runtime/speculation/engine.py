@@ -24,7 +24,7 @@ from runtime.speculation.engine_config import EngineConfig
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.decode_stats import Clock, DecodeStats, Metrics
 from runtime.speculation.drafter import Drafter
-from runtime.target.model import Transformer, context_error
+from runtime.target.model import Taps, Transformer, context_error
 from runtime.drafters.ngram import NgramDrafter
 from runtime.target.quant_kv_cache import QuantizedKVCache, kv_cache_as
 from runtime.speculation.sampling import SamplingParams
@@ -63,6 +63,7 @@ class Engine:
         # what the drafter reads of each target forward: the residual streams entering these layers, or () the
         # final hidden states
         self.features = drafter.feature_layers if drafter is not None and drafter.needs_features else ()
+        self.taps = Taps.entering(self.features)
         self.static = None
         if cfg.static_verify:
             on_gpu = target.device.type == "cuda"
@@ -133,7 +134,8 @@ class Engine:
             if self.static is not None:
                 logits, hidden = self.static(tokens, positions, tree_mask, keep, cached=n_cached)
             else:
-                logits, hidden = target(tokens, cache, positions, tree_mask, kv_keep=layers, features=self.features)
+                verified = target(tokens, cache, positions, tree_mask, kv_keep=layers, taps=self.taps)
+                logits, hidden = verified.logits, verified.features(self.features)
             stats.count_reads(layers, n_live, target.config.n_layers, target.config.n_kv_heads)
             verdict = verify(tree, logits[0], params, generator)
             verify_s = clock.lap()

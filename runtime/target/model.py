@@ -2,8 +2,9 @@
 
 One forward serves prefill, decode and tree verification: T new tokens per sequence are written at
 slots cache.lengths[b] + t, and each attends to the committed prefix plus the new tokens that `tree_mask`
-allows (causal when None). Weights load from an HF safetensors directory; q/k/v and gate/up are fused at load
-so a decode step runs two matmuls per block instead of five.
+allows (causal when None); forward_uncached runs whole sequences without a cache (training, export). Weights
+load from an HF safetensors directory; q/k/v and gate/up are fused at load so a decode step runs two matmuls per
+block instead of five.
 """
 from __future__ import annotations
 
@@ -267,33 +268,39 @@ class Transformer(nn.Module):
         c = self.config
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
-    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None,
-                *, last_logits_only: bool = False, kv_keep: list[Tensor | None] | None = None,
-                features: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
-        """tokens, positions [B, T] -> (logits [B, T, V] or [B, 1, V], hidden [B, T, dim], or the residual
-        streams entering the `features` layers: ForwardOutput.features). Writes KV at cache.lengths + t but does not
-        advance: the caller decides what is committed. kv_keep: per layer the keys sparse (SpecAttn) verification
-        reads, see Attention.forward; None: dense."""
-        out = self.run(tokens, cache, positions, tree_mask, taps=Taps.entering(features),
-                       last_logits_only=last_logits_only, kv_keep=kv_keep)
-        return out.logits, out.features(features)
-
-    def run(self, tokens: Tensor, cache: KVCache, positions: Tensor, tree_mask: Tensor | None = None, *,
-            taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False,
-            kv_keep: list[Tensor | None] | None = None, last_only: bool = False) -> ForwardOutput:
-        B, T = tokens.shape
-        if cache.batch != B:
-            raise ValueError(f"tokens have batch {B} but the cache was built for batch {cache.batch}")
-        if int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is beyond max_seq_len {self.max_seq_len}")
-        slots = cache.slots(T)
-        n_live = int(cache.lengths.max()) + T
-        window = self.config.sliding_window
-        mask = causal_mask(cache.lengths, T, n_live, tree_mask, window) \
-            or attention_mask(cache.lengths, positions, n_live, tree_mask, window)
-        return self.run_placed(tokens, cache, positions, slots, n_live, mask, taps=taps,
-                               last_logits_only=last_logits_only, no_logits=no_logits, kv_keep=kv_keep,
-                               last_only=last_only)
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor,
+                tree_mask: Tensor | None = None, *, slots: Tensor | None = None, mask: Tensor | None = None,
+                taps: Taps = Taps(), last_logits_only: bool = False, no_logits: bool = False,
+                kv_keep: list[Tensor | None] | None = None, last_only: bool = False) -> ForwardOutput:
+        """tokens, positions [B, T] -> logits [B, T, V] ([B, 1, V] with last_logits_only; None with no_logits), the
+        final hidden states and what `taps` asks for. Writes KV at cache.lengths + t, each token seeing the committed
+        prefix and the new tokens `tree_mask` [T, T] or [B, T, T] allows (causal when None), but does not advance:
+        the caller decides what is committed.
+        slots [B, T] and mask [B, 1, T, n_live], given together, place the KV and choose what each token sees
+        instead (no checks, no host reads: static and graphed steps; draft trees keep their nodes where
+        runtime.speculation.dynamic_tree.TreeSlots puts them, each node seeing its ancestors only).
+        kv_keep: per layer the keys sparse (SpecAttn) verification reads, see Attention.forward; None: dense.
+        last_only: hidden [B, 1, dim] of the last token only; the last layer then computes just the keys and values
+        of the others (all a prefill needs of them)."""
+        if mask is None:
+            if slots is not None:
+                raise ValueError("forward: slots need the mask that goes with them")
+            B, T = tokens.shape
+            if cache.batch != B:
+                raise ValueError(f"tokens have batch {B} but the cache was built for batch {cache.batch}")
+            if int(positions.max()) >= self.max_seq_len:
+                raise ValueError(f"position {int(positions.max())} is beyond max_seq_len {self.max_seq_len}")
+            slots = cache.slots(T)
+            n_live = int(cache.lengths.max()) + T
+            window = self.config.sliding_window
+            mask = causal_mask(cache.lengths, T, n_live, tree_mask, window) \
+                or attention_mask(cache.lengths, positions, n_live, tree_mask, window)
+        elif slots is None or tree_mask is not None:
+            raise ValueError("forward: a mask comes with its slots and replaces tree_mask")
+        else:
+            n_live = mask.shape[-1]
+        return self._blocks(tokens, cache, positions, slots, n_live, mask, taps, last_logits_only, no_logits,
+                            kv_keep, last_only)
 
     def prefill(self, tokens: Tensor, cache: KVCache, *, chunk: int | None = None,
                 features: tuple[int, ...] | None = (),
@@ -320,8 +327,8 @@ class Transformer(nn.Module):
             positions = cache.lengths[:, None] + torch.arange(piece.shape[1], device=tokens.device)
             last = start + size >= T
             with prefill_products():
-                out = self.run(piece, cache, positions, taps=Taps.entering(features or ()), last_logits_only=True,
-                               no_logits=not last, last_only=features is None)
+                out = self(piece, cache, positions, taps=Taps.entering(features or ()), last_logits_only=True,
+                           no_logits=not last, last_only=features is None)
             cache.advance(piece.shape[1])
             logits = out.logits
             if features is not None:
@@ -330,23 +337,19 @@ class Transformer(nn.Module):
                 progress(min(start + size, T), T)
         return logits, None if features is None else torch.cat(hidden, 1)
 
-    def run_uncached(self, tokens: Tensor, *, no_logits: bool = False) -> ForwardOutput:
+    def forward_uncached(self, tokens: Tensor, *, no_logits: bool = False) -> ForwardOutput:
         """Whole sequences [B, T] at positions 0..T-1, causal, keeping no KV: training (autograd cannot go through
         the cache's in-place writes of every layer) and cache-free export."""
         B, T = tokens.shape
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         empty = torch.zeros(B, dtype=torch.long, device=tokens.device)
         mask = attention_mask(empty, positions, T, None, self.config.sliding_window)
-        return self.run_placed(tokens, NoCache(), positions, None, T, mask, no_logits=no_logits)
+        return self._blocks(tokens, NoCache(), positions, None, T, mask, Taps(), False, no_logits, None, False)
 
-    def run_placed(self, tokens: Tensor, cache: "KVCache | NoCache", positions: Tensor, slots: Tensor | None,
-                   n_live: int, mask: Mask, *, taps: Taps = Taps(), last_logits_only: bool = False,
-                   no_logits: bool = False, kv_keep: list[Tensor | None] | None = None,
-                   last_only: bool = False) -> ForwardOutput:
-        """run() with the KV slots and the attention mask [B, 1, T, n_live] chosen by the caller: draft trees
-        keep their nodes' KV where runtime.speculation.dynamic_tree.TreeSlots puts them, and each node sees its ancestors only.
-        last_only: hidden [B, 1, dim] of the last token only; the last layer then computes just the keys and values
-        of the others (all a prefill needs of them)."""
+    def _blocks(self, tokens: Tensor, cache: "KVCache | NoCache", positions: Tensor, slots: Tensor | None,
+                n_live: int, mask: Mask, taps: Taps, last_logits_only: bool, no_logits: bool,
+                kv_keep: list[Tensor | None] | None, last_only: bool) -> ForwardOutput:
+        """The layers themselves, once the KV slots and the mask are chosen (forward, forward_uncached)."""
         cos, sin = self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
         x = self.tok_embeddings(tokens)
         out = ForwardOutput(None, x)

@@ -1,6 +1,6 @@
 """KV cache with a quantised history (QuantSpec): committed tokens older than the most recent `recent` ones are
 stored as int8, int4 or hierarchical int4 codes; the recent ones and every uncommitted (draft tree) slot stay in
-full precision. A drop-in for KVCache wherever a model writes and reads its cache (Transformer.run, EAGLE).
+full precision. A drop-in for KVCache wherever a model writes and reads its cache (Transformer.forward, EAGLE).
 
 Why the split: verification rolls back (compacts) only uncommitted slots, which are full precision, so a token's
 codes are written once, when it leaves the recent window, and never moved or re-quantised; and the most recent

@@ -75,7 +75,7 @@ def lm_kd_loss(target: Transformer, kind: str, keep_ids: Tensor | None = None) -
     def loss_fn(model: Transformer, batch: dict) -> tuple[Tensor, dict]:
         t = target_features(target, batch)
         goal = target_head(t.features[:, :-1])  # row j: the distribution of token j+1
-        hidden = model.run_uncached(batch["input_ids"], no_logits=True).hidden[:, :-1]
+        hidden = model.forward_uncached(batch["input_ids"], no_logits=True).hidden[:, :-1]
         weight = model.output.weight
         logits = F.linear(hidden, weight if target_head.keep_ids is None else weight[target_head.keep_ids])
         m = t.mask[:, 1:]

@@ -1,5 +1,4 @@
 import json
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -95,7 +94,7 @@ def test_a_wide_tree_does_not_starve_the_lookup_branch_near_the_end_of_a_reply(t
     assert forwards[12] <= forwards[1] + 2, forwards
 
 
-def test_max_tree_cuts_each_verify_to_its_likeliest_nodes_and_stays_lossless(target):
+def test_max_tree_cuts_each_verify_to_its_likeliest_nodes_and_stays_lossless(target, monkeypatch):
     """The n-gram drafter's tree plus the lookup branch, cut to 3 nodes a verify: greedy output unchanged, no verify
     over the cap, and the cut keeps what gets accepted (the repeating tiny target's continuations)."""
     want = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 60).tokens
@@ -103,7 +102,8 @@ def test_max_tree_cuts_each_verify_to_its_likeliest_nodes_and_stays_lossless(tar
     engine = Engine(target, NgramDrafter(target.config.vocab_size),
                     EngineConfig(max_seq_len=128, budget=DraftBudget(3, 2, 6), adaptive=False, lookup=6, max_tree=3))
     verify = engine.target.forward
-    engine.target.forward = lambda tokens, *a, **k: widest.append(tokens.shape[1]) or verify(tokens, *a, **k)
+    monkeypatch.setattr(engine.target, "forward",
+                        lambda tokens, *a, **k: widest.append(tokens.shape[1]) or verify(tokens, *a, **k))
     gen = engine.generate(PROMPT, 60)
     assert gen.tokens == want and max(widest[1:]) == 4  # root + 3 nodes; widest[0] is the prefill
     assert gen.metrics.target_forwards < 30
@@ -144,34 +144,52 @@ def test_useless_drafter_falls_back_to_plain_decoding(target):
     assert m.draft_nodes <= 3 * m.fallback_step and m.acceptance_by_depth[0] == 0.0
 
 
-class SlowOracle(NoisyOracle):
-    """Always right, but each proposal takes `delay_s`."""
+class FakeClock:
+    """Seconds that pass only where a test charges them, so timings do not depend on the host's load."""
 
-    def __init__(self, vocab_size, reference, delay_s):
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowOracle(NoisyOracle):
+    """Always right, but each proposal costs `cost_s` on `clock`."""
+
+    def __init__(self, vocab_size, reference, clock, cost_s):
         super().__init__(vocab_size, reference, p_right=1.0, width=1, seed=0)
-        self.delay_s = delay_s
+        self.clock, self.cost_s = clock, cost_s
 
     def propose(self, budget, params, generator=None):
-        time.sleep(self.delay_s)
+        self.clock.now += self.cost_s
         return super().propose(budget, params, generator)
 
 
 @pytest.mark.parametrize("slowdown", [0, 3], ids=["fast", "slow"])
-def test_speed_check_times_a_plain_step_and_pauses_speculation_that_loses_to_it(target, slowdown):
-    """A drafter whose 4 tokens a step cost `slowdown` plain decode steps each: speculation loses at 3, and pauses
-    for 4, 8, 16, ... plain steps between runs of 4 drafted ones."""
+def test_speed_check_times_a_plain_step_and_pauses_speculation_that_loses_to_it(target, slowdown, monkeypatch):
+    """On a clock where every target forward takes a second (a verify of 4 tokens costs what a decode does) and
+    a drafter's 4 tokens a step cost `slowdown` plain decode steps each: speculation loses at 3, and pauses for
+    4, 8, 16, ... plain steps between runs of 4 drafted ones; at 0 it wins and drafts to the end."""
     reference = greedy_reference(target, PROMPT, 110)
     want = reference[len(PROMPT):len(PROMPT) + 100]
-    plain = Engine(target, None, EngineConfig(max_seq_len=128)).generate(PROMPT, 100).metrics
-    delay_s = 4 * slowdown * plain.verify_s / plain.target_forwards
     cfg = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3), adaptive=False, warmup_steps=4, speed_check=True)
+    forward = target.forward
 
     def run(cfg):
-        engine = Engine(target, SlowOracle(target.config.vocab_size, reference, delay_s), cfg)
-        widths, forward = [], engine.target.forward
-        engine.target.forward = lambda tokens, *a, **k: widths.append(tokens.shape[1]) or forward(tokens, *a, **k)
+        clock, widths = FakeClock(), []
+
+        def timed_forward(tokens, *a, **k):
+            widths.append(tokens.shape[1])
+            clock.now += 1.0
+            return forward(tokens, *a, **k)
+
+        monkeypatch.setattr(target, "forward", timed_forward)
+        engine = Engine(target, SlowOracle(target.config.vocab_size, reference, clock, 4.0 * slowdown), cfg,
+                        clock=clock)
         gen = engine.generate(PROMPT, 100)
         assert gen.tokens == want
+        assert gen.metrics.prefill_s == 1.0 and gen.metrics.verify_s == gen.metrics.target_forwards  # on `clock`
         return gen.metrics, widths[1:]  # widths[0]: the prefill
 
     m, widths = run(cfg)

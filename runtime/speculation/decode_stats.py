@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,21 +51,22 @@ def tokens_per_forward(new_tokens: int, generations: int, forwards: int) -> floa
 
 
 class Clock:
-    """Wall-clock laps; waits for the device so a lap is charged to the phase that queued the work."""
+    """Laps of `now` (seconds, wall clock by default; tests inject their own); waits for the device so a lap is
+    charged to the phase that queued the work."""
 
-    def __init__(self, device: torch.device):
-        self.sync = synchronizer(device)
-        self.start = self.last = time.perf_counter()
+    def __init__(self, device: torch.device, now: Callable[[], float] = time.perf_counter):
+        self.sync, self.now = synchronizer(device), now
+        self.start = self.last = now()
 
     def lap(self) -> float:
         self.sync()
-        now = time.perf_counter()
+        now = self.now()
         lap, self.last = now - self.last, now
         return lap
 
     def total(self) -> float:
         self.sync()
-        return time.perf_counter() - self.start
+        return self.now() - self.start
 
 
 class DecodeStats:

@@ -14,7 +14,9 @@ With `EngineConfig.lookup_corpus` the branch drafts from that corpus where the s
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -39,7 +41,10 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig()):
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, cfg: EngineConfig = EngineConfig(),
+                 *, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: the seconds every phase, the metrics and EngineConfig.speed_check are timed with (a test's
+        fake clock makes the speed check's verdict independent of the host's load)."""
         if cfg.max_seq_len > target.max_seq_len:
             raise ValueError(f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the target's max_seq_len "
                              f"{target.max_seq_len} (load the target with a larger max_seq_len)")
@@ -50,7 +55,7 @@ class Engine:
         if cfg.sparse is not None and (drafter is None or len(cfg.sparse.layer_map) != target.config.n_layers):
             raise ValueError(f"EngineConfig.sparse needs a drafter and a layer map with one entry per target layer "
                              f"({target.config.n_layers}), got {len(cfg.sparse.layer_map)}")
-        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.target, self.drafter, self.cfg, self.clock = target, drafter, cfg, clock
         quant, c = cfg.kv_quant, target.config
         self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len) if quant is None else QuantizedKVCache(
             c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
@@ -78,7 +83,7 @@ class Engine:
         self._check_request(prompt_ids, max_new_tokens)
         cfg, target, cache, drafter = self.cfg, self.target, self.cache, self.drafter
         device, stop = target.device, set(stop_ids)
-        clock = Clock(device)
+        clock = Clock(device, self.clock)
         cache.reset()
 
         n = len(prompt_ids)

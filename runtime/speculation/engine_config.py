@@ -19,10 +19,10 @@ class EngineConfig:
     ema_decay: float = 0.7  # weight of the past in the moving average of accepted tokens per step
     warmup_steps: int = 8  # speculative steps before the fallback rule may fire
     fallback_tau: float = 1.3  # below this average of tokens per target forward, decode plainly
-    # after warmup_steps speculative steps, time one plain decode step; while speculation commits fewer tokens a
-    # second than that, pause it for warmup_steps plain steps, twice as many after each pause (at a long context a
-    # verify costs more than a decode, yet a reply may turn predictable later). Served engines check; a batched
-    # engine decides by batch size instead (runtime.serving.batch_budget).
+    # after warmup_steps speculative steps, time one plain decode step (on the Engine's clock); while speculation
+    # commits fewer tokens a second than that, pause it for warmup_steps plain steps, twice as many after each pause
+    # (at a long context a verify costs more than a decode, yet a reply may turn predictable later). Served engines
+    # check; a batched engine decides by batch size instead (runtime.serving.batch_budget).
     speed_check: bool = False
     sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
     kv_scheme: str | None = None  # quantised KV history (runtime.target.quant_kv_cache): int8 | int4 | hier-int4

@@ -141,7 +141,7 @@ def _bench_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
-DEVICE_BUDGET = "device"  # --budget: chosen by timing the bundle's device candidates (runtime.serving.device_budget)
+DEVICE_BUDGET = "device"  # --budget: chosen by timing the bundle's device candidates (runtime.serving.budget_tuner)
 
 
 def _budget(text: str | None):
@@ -162,7 +162,7 @@ def _speculation(args):
     from pipeline.sources import resolve_target, target_fingerprint
     from runtime.speculation.draft_budget import ServedBudget
     from runtime.bundle_reader import read_bundle
-    from runtime.serving.device_budget import NEW_TOKENS
+    from runtime.serving.budget_tuner import ENGINE_NEW_TOKENS
     from runtime.drafters import get_kind, kind_names
     from runtime.speculation.engine import Engine, EngineConfig
     from runtime.serving.served_engine import ServedEngine, served_engine
@@ -192,7 +192,7 @@ def _speculation(args):
     longest = max(b.tree.max_nodes + b.lookup for b in served)
     return Speculation(args.drafter, longest, lambda target, max_seq_len, prompt: served_engine(
         bundle, target, max_seq_len, budget=budget, device_prompt=prompt if on_device else None,
-        specattn_top_p=args.specattn_top_p, graphed=False, new_tokens=min(NEW_TOKENS, args.max_new_tokens)))
+        specattn_top_p=args.specattn_top_p, graphed=False, new_tokens=min(ENGINE_NEW_TOKENS, args.max_new_tokens)))
 
 
 def _needs_bundle(args) -> None:

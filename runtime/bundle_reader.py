@@ -75,7 +75,7 @@ class Bundle:
 
     def device_candidates(self) -> list[tuple[ServedBudget, float]]:
         """The budgets calibrate measured tau for on every prompt, with that tau, for a device to time and choose
-        among (runtime.serving.device_budget); [] for bundles without them."""
+        among (runtime.serving.budget_tuner); [] for bundles without them."""
         rows = json.loads(self.path(DRAFT_BUDGET).read_text()).get("device_candidates", []) \
             if self.has(DRAFT_BUDGET) else []
         return [(ServedBudget.from_dict(row), row["tau"]) for row in rows]

@@ -23,7 +23,7 @@ long the reply grows, and fewer or shorter prompts picked worse budgets (docs/lo
 
 A GPU wants a bigger tree than the CPU (a wider verify costs it little more), and tau does not depend on the device:
 so draft_budget.json also lists device_candidates, the chosen budget and DEVICE_LADDER's trees with their replayed
-tau on every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.serving.device_budget).
+tau on every prompt, among which serving on a GPU chooses by timing a step of each there (runtime.serving.budget_tuner).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 
 # the drafter's and the lookup's
 TREE_CAPS = {5: range(2, 7), 11: range(4, 13)}
 # (depth, width, nodes, max_tree) trees a GPU may prefer, whose tau calibrate measures on every prompt for the
-# serving device to time (runtime.serving.device_budget): a GPU verifies a bucket of rows at about one cost
+# serving device to time (runtime.serving.budget_tuner): a GPU verifies a bucket of rows at about one cost
 # (runtime.speculation.cuda_graphs.BUCKETS), so the caps fill a bucket with the root (16, 32); 0: uncut
 DEVICE_LADDER = ((2, 3, 6, 15), (3, 3, 9, 15), (4, 2, 8, 15), (4, 4, 16, 31), (6, 4, 24, 31), (6, 4, 24, 0))
 PROMPTS_PER_ROUND = 2  # successive halving: every candidate runs the first 2 prompts, the better half 2 more, ...

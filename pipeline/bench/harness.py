@@ -20,7 +20,7 @@ from pipeline.errors import DraftsmithError
 from runtime.target.attention import pick_backend
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.device import synchronizer
-from runtime.serving.device_budget import describe
+from runtime.serving.budget_tuner import describe
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig, Generation
 from runtime.target.model import ModelConfig, Transformer, context_error

@@ -4,7 +4,7 @@ EAGLE drafter's graphed tree at each budget. The cost model for choosing a draft
 A speculative step with budget B costs about draft(B) + verify(bucket of 1 + B's verify nodes) + rollback, and
 commits tau(B) tokens, so speculation runs tau(B) x decode / step times the graphed decode. tau(B) does not depend
 on the device (fp32 greedy): calibrate's device_candidates, or `pipeline bench --budget B`, measure it on the CPU.
-Serving does not use this model: it times whole steps of the candidates on its device (runtime.serving.device_budget).
+Serving does not use this model: it times whole steps of the candidates on its device (runtime.serving.budget_tuner).
 On the CPU, where nothing is captured, this times the same steps run eagerly.
 
     python -m pipeline.bench.step_costs --random-weights smollm2-135m --dtype bfloat16 [--compile] [--out costs.json]

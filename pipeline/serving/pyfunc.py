@@ -14,8 +14,8 @@ rows run together). The settings, read at load ($NAME, default):
 - DRAFTSMITH_REQUEST_TIMEOUT_S (120): a request not answered this long after it was accepted gets an error (HTTP
   504) and its rows leave the batch (the scoring server's own limit is set above it by `pipeline serve`);
 - DRAFTSMITH_BATCH_POLICY (measured | fixed | plain): the draft budget at each batch size measured at load among
-  the bundle's budgets and plain decoding (runtime.serving.batch_budget), the served budget at every size, or no drafting
-  at all (plain batched decoding: the baseline the load test compares with).
+  the bundle's budgets and plain decoding (runtime.serving.budget_tuner), the served budget at every size, or no
+  drafting at all (plain batched decoding: the baseline the load test compares with).
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def serving_device():
 
 def budget_source(device) -> str:
     """$DRAFTSMITH_BUDGET: `calibrated` serves the budget calibrate chose by CPU speed, `device` times the bundle's
-    device candidates here and serves the fastest (runtime.serving.device_budget); default: device on CUDA, where the CPU's
-    choice is too small, calibrated on the CPU."""
+    device candidates here and serves the fastest (runtime.serving.budget_tuner); default: device on CUDA, where the
+    CPU's choice is too small, calibrated on the CPU."""
     name = os.environ.get(BUDGET_ENV) or ("device" if device.type == "cuda" else "calibrated")
     if name not in BUDGET_SOURCES:
         raise DraftsmithError(f"${BUDGET_ENV}={name!r}: expected one of {', '.join(BUDGET_SOURCES)}")
@@ -116,7 +116,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from pipeline.sources import resolve_target, target_fingerprint
         from runtime.speculation.draft_budget import ServedBudget
         from runtime.bundle_reader import read_bundle
-        from runtime.serving.device_budget import describe
+        from runtime.serving.budget_tuner import describe
         from runtime.target.loading import from_pretrained
         from runtime.target.precision import float_dtype
         from runtime.serving.scheduler import Scheduler

@@ -8,8 +8,9 @@ row's tree mask and cache length are its own; afterwards each row's cache keeps 
 target and (through the BatchDrafter) the drafter. Greedy rows equal batch-1 decoding token for token; sampled rows
 keep the target's distribution (runtime.speculation.verify.verify_batch: each row its own params and generator).
 
-How many nodes a row drafts depends on how many rows run (runtime.serving.batch_budget.BatchPolicy): as the batch grows a
-verify turns compute-bound and smaller trees pay, and above some batch size plain batched decoding does.
+How many nodes a row drafts depends on how many rows run (a BatchPolicy, measured by runtime.serving.budget_tuner): as
+the batch grows a verify turns compute-bound and smaller trees pay, and above some batch size plain batched decoding
+does.
 
 A request is prefilled alone in a free row (KVCache.row) when it joins; a finished row frees its slot at once, and
 before each step the busy rows are packed together so the step computes only them. Full-precision KV and dense

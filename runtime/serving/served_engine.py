@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from runtime.serving.batch_budget import NEW_TOKENS as BATCH_NEW_TOKENS, measure_policy
 from runtime.serving.batch_engine import BatchEngine
+from runtime.serving.budget_tuner import BATCH_NEW_TOKENS, ENGINE_NEW_TOKENS, choose_on_device, measure_policy
 from runtime.speculation.draft_budget import BatchPolicy, ServedBudget
 from runtime.bundle_reader import Bundle
-from runtime.serving.device_budget import NEW_TOKENS, choose_on_device
 from runtime.speculation.drafter import Drafter
 from runtime.drafters import build_drafter, get_kind
 from runtime.speculation.engine import Engine, EngineConfig
@@ -61,7 +60,7 @@ class ServedEngine:
     def batched(self, max_batch: int, policy_prompts: list[list[int]] | None = None, plain: bool = False,
                 new_tokens: int = BATCH_NEW_TOKENS) -> tuple[BatchEngine, str]:
         """The engine serving up to `max_batch` rows at once, and a note on what it runs. With `policy_prompts` its
-        draft budget at each batch size is measured here (runtime.serving.batch_budget) among `budget`, the smaller
+        draft budget at each batch size is measured here (runtime.serving.budget_tuner) among `budget`, the smaller
         batch_candidates and plain decoding; without, `budget` at every batch size. `plain`: no drafter, plain
         batched decoding (our batched autoregressive baseline)."""
         cfg, note = batch_config(self.engine.cfg)
@@ -97,7 +96,7 @@ def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> l
 def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fallback: ServedBudget = ServedBudget(),
                   budget: ServedBudget | None = None, device_prompt: list[int] | None = None,
                   specattn_top_p: float | None = None, graphed: bool | None = None,
-                  new_tokens: int = NEW_TOKENS, speed_check: bool = True) -> ServedEngine:
+                  new_tokens: int = ENGINE_NEW_TOKENS, speed_check: bool = True) -> ServedEngine:
     """The engine `bundle` serves with on `target`'s device. Its budget: `budget` where given, else the one calibrate
     chose (`fallback` for bundles without one); with `device_prompt`, the bundle's device candidate that commits the
     most tokens a second on this device, each timed first on that prompt. `graphed` (default: on CUDA) captures

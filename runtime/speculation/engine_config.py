@@ -22,7 +22,7 @@ class EngineConfig:
     # after warmup_steps speculative steps, time one plain decode step (on the Engine's clock); while speculation
     # commits fewer tokens a second than that, pause it for warmup_steps plain steps, twice as many after each pause
     # (at a long context a verify costs more than a decode, yet a reply may turn predictable later). Served engines
-    # check; a batched engine decides by batch size instead (runtime.serving.batch_budget).
+    # check; a batched engine decides by batch size instead (runtime.serving.budget_tuner).
     speed_check: bool = False
     sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
     kv_scheme: str | None = None  # quantised KV history (runtime.target.quant_kv_cache): int8 | int4 | hier-int4

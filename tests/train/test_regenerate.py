@@ -53,13 +53,13 @@ def test_batch_generator_decodes_only_its_busy_rows(target):
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 3, 11, 7, 4)]
     gen = BatchGenerator(target, batch_size=4, max_len=64)
     fed = []
-    run = target.run  # every step's forward, recorded by its token shape
+    forward = target.forward  # every step's forward, recorded by its token shape
 
     def recorded(tokens, *args, **kwargs):
         fed.append(tokens.shape)
-        return run(tokens, *args, **kwargs)
+        return forward(tokens, *args, **kwargs)
 
-    target.run = recorded
+    target.forward = recorded
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         gen.submit(Request(i, p, n))
     done = {}
@@ -67,7 +67,7 @@ def test_batch_generator_decodes_only_its_busy_rows(target):
         while gen.busy:
             done.update({c.key: c for c in gen.step()})
     finally:
-        del target.run
+        del target.forward
     decode_rows = [b for b, t in fed if t == 1]  # prefills feed whole prompts (none is one token long)
     assert sum(decode_rows) == sum(budgets) - len(budgets)  # the prefill gives each answer's first token
     assert max(decode_rows) == 4 and decode_rows[-1] == 1  # the longest answer ends alone

@@ -8,7 +8,7 @@ import torch
 from support.helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
 
 from runtime.target.attention import SpecAttnConfig
-from runtime.serving.batch_budget import batch_sizes, measure_policy
+from runtime.serving.budget_tuner import batch_sizes, measure_policy
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.speculation.draft_budget import BatchPolicy, DraftBudget, ServedBudget
 from runtime.drafters.eagle3 import Eagle3Model, aux_layers

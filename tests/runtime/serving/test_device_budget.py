@@ -1,10 +1,12 @@
-"""Choosing the draft budget on the serving device (runtime/serving/device_budget.py): each candidate's step timed through
+"""Choosing the draft budget on the serving device (runtime/serving/budget_tuner.py): each candidate's step timed through
 the engine as serving configures it, the most tokens/s (calibrated tau / ms a step) kept."""
+import math
+
 import pytest
 import torch
 
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
-from runtime.serving.device_budget import choose_on_device, describe, ms_per_step
+from runtime.serving.budget_tuner import choose_on_device, describe, fastest_of, ms_per_step, tokens_per_s
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.loading import from_pretrained
@@ -66,3 +68,10 @@ def test_a_step_is_timed_without_the_prefill_and_per_target_forward(target, new_
     assert 0 < ms < 1e3 * m.total_s  # one step, not a generation
     with pytest.raises(ValueError, match="no candidate budgets"):
         choose_on_device(target, new_drafter, [], [1, 2], lambda b: EngineConfig(**b.engine_fields()))
+
+
+def test_the_fastest_timed_run_counts_and_a_run_that_timed_no_step_does_not():
+    times = iter([5.0, None, 3.0, 4.0])
+    assert fastest_of(4, lambda: next(times)) == 3.0
+    assert fastest_of(2, lambda: None) == math.inf
+    assert tokens_per_s(4, 2.5, 20.0) == 500.0  # 4 rows, 2.5 tokens each, a step every 20 ms

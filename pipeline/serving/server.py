@@ -10,8 +10,10 @@ from pathlib import Path
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
 from pipeline.registry import registry_client
-from pipeline.serving.pyfunc import SCORING_TIMEOUT_MARGIN_S, BatchSettings
+from pipeline.serving.settings import BatchSettings
 from pipeline.tracking import tracking_uri
+
+SCORING_TIMEOUT_MARGIN_S = 30  # the scoring server's request limit sits this far above ours: ours answers first
 
 
 def serve_invocation(cfg: Config, port: int, host: str = "127.0.0.1",

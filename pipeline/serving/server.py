@@ -1,4 +1,5 @@
-"""`pipeline serve`: MLflow's scoring server over models:/NAME@alias, on 127.0.0.1 by default."""
+"""`pipeline serve`: MLflow's scoring server over models:/NAME@alias, or (--openai) the OpenAI-compatible server
+in this process; on 127.0.0.1 by default."""
 from __future__ import annotations
 
 import math
@@ -46,3 +47,44 @@ def serve(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "champio
     """Run the MLflow scoring server in the foreground until it stops; return its exit status."""
     argv, env = serve_invocation(cfg, port, host, alias)
     return subprocess.run(argv, env=env).returncode
+
+
+API_KEY_ENV = "DRAFTSMITH_API_KEY"
+
+
+def load_champion(cfg: Config, alias: str = "champion"):
+    """models:/NAME@alias loaded as the pyfunc loads it (every hash checked), and the tau its validation measured
+    (None where the version records none): (ServedModel, validated tau)."""
+    import mlflow.pyfunc
+
+    from pipeline.registry import tag_metric
+
+    uri = tracking_uri(cfg)
+    _check_alias(cfg, alias, uri)
+    name = cfg.register.model_name
+    version = registry_client(cfg).get_model_version_by_alias(name, alias)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@{alias}")
+    return model.unwrap_python_model().served, tag_metric(version.tags, "tau")
+
+
+def serve_openai(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "champion",
+                 api_key: str | None = None) -> int:
+    """The OpenAI-compatible server (pipeline.serving.api_server) over models:/NAME@alias, in the foreground.
+    `api_key` (default $DRAFTSMITH_API_KEY): when set, /v1/ requests without it are refused with 401."""
+    import logging
+
+    import uvicorn
+
+    from pipeline.serving.api_server import build_app
+    from pipeline.serving.drift import DriftSettings
+
+    drift = DriftSettings.from_env()  # a bad setting fails before the model loads
+    served, tau = load_champion(cfg, alias)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = build_app(served, cfg.register.model_name, api_key=api_key or os.environ.get(API_KEY_ENV) or None,
+                    validated_tau=tau, drift=drift)
+    print(f"OpenAI-compatible API for models:/{cfg.register.model_name}@{alias} (validated tau "
+          f"{'unknown' if tau is None else f'{tau:.2f}'}) on http://{host}:{port}/v1", file=sys.stderr)
+    # no access log: it would record requests refused for want of the API key
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="info")
+    return 0

@@ -51,7 +51,21 @@ class _Ticket:
     def finish(self) -> None:
         self.done.set()
         if self.on_done is not None:
-            self.on_done()
+            _call(self.on_done)
+
+    def hand_out(self, row: int, tokens: list[int]) -> None:
+        if self.on_tokens is not None and not _call(self.on_tokens, row, tokens):
+            self.on_tokens = None  # a failing callback is not called again
+
+
+def _call(fn, *args) -> bool:
+    """A caller's callback on the scheduler's thread: its failure is printed, never the step's that everyone shares."""
+    try:
+        fn(*args)
+        return True
+    except Exception:
+        traceback.print_exc(file=sys.stderr)
+        return False
 
 
 class Pending:
@@ -142,6 +156,11 @@ class Scheduler:
         return Pending(self, tid, ticket)
 
     @property
+    def alive(self) -> bool:
+        """Whether the thread that steps the engine is running (it only ends with the process)."""
+        return self._thread.is_alive()
+
+    @property
     def rows_waiting(self) -> int:
         """Rows accepted and not yet in the engine's batch."""
         with self._cond:
@@ -151,10 +170,8 @@ class Scheduler:
         """(Scheduler thread, inside a step.) A row's fresh tokens to its caller's on_tokens, unless it gave up."""
         with self._cond:
             ticket = self._tickets.get(key[0])
-            if ticket is None or ticket.on_tokens is None:
-                return
-            # under the lock: a cancel that has returned is never followed by a callback
-            ticket.on_tokens(key[1], tokens)
+            if ticket is not None:  # under the lock: a cancel that has returned is never followed by a callback
+                ticket.hand_out(key[1], tokens)
 
     def _give_up(self, tid: int, ticket: _Ticket) -> None:
         """(Lock held.) The caller stopped waiting: its rows still waiting here go, those in the engine are dropped

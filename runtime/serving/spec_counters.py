@@ -46,7 +46,7 @@ class SpecCounters:
         self.tokens_per_verify[tokens] = self.tokens_per_verify.get(tokens, 0) + 1
         self._recent.append(tokens)
         self.recent_tokens += tokens
-        if len(self._recent) > self.window:
+        while len(self._recent) > self.window:  # `window` may have been lowered since
             self.recent_tokens -= self._recent.popleft()
 
     @property

@@ -136,3 +136,18 @@ def test_a_streaming_request_gets_its_tokens_and_one_done_and_a_cancelled_one_le
     s.engine.step = slow
     again = s.generate([BatchRequest(None, PROMPTS[3], 9)])  # serving goes on
     assert again[0].tokens == engine(target).generate([BatchRequest(0, PROMPTS[3], 9)])[0].tokens
+
+
+def test_a_failing_callback_costs_only_its_own_stream(target):
+    s = Scheduler(engine(target, max_batch=2), max_queue=2, timeout_s=120.0)
+    calls = []
+
+    def broken(i, tokens):
+        calls.append(tokens)
+        raise RuntimeError("a caller's bug")
+
+    failing = s.submit([BatchRequest(None, PROMPTS[0], 15)], on_tokens=broken)
+    other = s.submit([BatchRequest(None, PROMPTS[1], 15)], on_tokens=lambda i, t: None)
+    alone = engine(target).generate([BatchRequest(0, PROMPTS[0], 15), BatchRequest(1, PROMPTS[1], 15)])
+    assert [failing.result()[0].tokens, other.result()[0].tokens] == [g.tokens for g in alone]
+    assert len(calls) == 1  # not called again after it failed

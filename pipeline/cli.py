@@ -112,9 +112,9 @@ def cmd_serve(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.openai:
-        return serve_openai(cfg, args.port, args.host, args.alias, args.api_key)
-    if args.api_key:
-        raise DraftsmithError("--api-key guards the OpenAI-compatible server: pass --openai too")
+        return serve_openai(cfg, args.port, args.host, args.alias, args.api_key, args.capture)
+    if args.api_key or args.capture:
+        raise DraftsmithError("--api-key and --capture are the OpenAI-compatible server's: pass --openai too")
     return serve(cfg, args.port, args.host, args.alias)
 
 
@@ -287,6 +287,9 @@ def build_parser() -> Parser:
                     "/v1/chat/completions, streaming, /metrics) instead of MLflow's /invocations")
     sv.add_argument("--api-key", help="with --openai: /v1/ requests must send it as a bearer token (default "
                     "$DRAFTSMITH_API_KEY)")
+    sv.add_argument("--capture", metavar="DB_URL", help="with --openai: record each answered request's prompt and "
+                    "reply in this database (SQLAlchemy URL, e.g. sqlite:///traffic.db; default "
+                    "$DRAFTSMITH_CAPTURE_URL; off when neither is set)")
     sv.add_argument("--config")
     sv.add_argument("overrides", nargs="*", metavar="key=value")
     sv.set_defaults(fn=cmd_serve)

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from pipeline.serving.capture import Captured, TrafficCapture
 from pipeline.serving.drift import DriftMonitor, DriftSettings
 from pipeline.serving.metrics import ServingMetrics
 from pipeline.serving.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, completion_body,
@@ -57,8 +58,9 @@ def _chat_ids(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
 
 
 def build_app(served: ServedModel, model_id: str, *, api_key: str | None = None, validated_tau: float | None = None,
-              drift: DriftSettings = DriftSettings()) -> FastAPI:
-    """The server's app; `validated_tau`: the bundle's, from its registered validation metrics."""
+              drift: DriftSettings = DriftSettings(), capture: TrafficCapture | None = None) -> FastAPI:
+    """The server's app; `validated_tau`: the bundle's, from its registered validation metrics; `capture`: where
+    answered requests are recorded (None: nowhere)."""
     from runtime.serving.scheduler import QueueFull, RequestTimedOut, SchedulerError
 
     app = FastAPI(title="draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
@@ -66,6 +68,14 @@ def build_app(served: ServedModel, model_id: str, *, api_key: str | None = None,
     metrics = ServingMetrics(served, monitor)
     created = now()
     app.state.served, app.state.metrics, app.state.drift = served, metrics, monitor
+    if capture is not None:
+        metrics.watch("capture_dropped", "answered requests traffic capture could not record",
+                      lambda: capture.dropped)
+
+    def record(endpoint: str, prompt, ask: Ask, reply: Reply, text: str) -> None:
+        if capture is not None:
+            capture.add(Captured(endpoint, model_id, prompt, ask.ids, text, reply.ids, ask.temperature,
+                                 reply.finish_reason))
 
     def refusal(e: Exception) -> ApiError:
         if isinstance(e, QueueFull):
@@ -115,14 +125,15 @@ def build_app(served: ServedModel, model_id: str, *, api_key: str | None = None,
             raise ApiError(400, f"model {name!r} is not served here: this server serves {model_id!r}",
                            code="model_not_found", param="model")
 
-    async def answer(endpoint: str, body, ask: Ask, chat: bool):
+    async def answer(endpoint: str, body, prompt, ask: Ask, chat: bool):
         try:
             reply = Reply(served, ask)
         except (SchedulerError, ValueError) as e:
             raise refusal(e) from None
         rid, stamp = new_id("chatcmpl" if chat else "cmpl"), now()
         if body.stream:
-            return StreamingResponse(stream(endpoint, reply, rid, stamp, chat), media_type="text/event-stream")
+            return StreamingResponse(stream(endpoint, prompt, ask, reply, rid, stamp, chat),
+                                     media_type="text/event-stream")
         try:
             text = "".join([piece async for piece in reply.pieces()])
         except SchedulerError as e:
@@ -130,19 +141,22 @@ def build_app(served: ServedModel, model_id: str, *, api_key: str | None = None,
         metrics.observe(reply)
         monitor.check()
         metrics.count(endpoint, 200)
+        record(endpoint, prompt, ask, reply, text)
         out = completion_body(rid, model_id, text, reply.finish_reason, chat, stamp)
-        return JSONResponse(out | {"usage": usage(len(ask.ids), reply.tokens)})
+        return JSONResponse(out | {"usage": usage(len(ask.ids), len(reply.ids))})
 
-    async def stream(endpoint: str, reply: Reply, rid: str, stamp: int, chat: bool):
+    async def stream(endpoint: str, prompt, ask: Ask, reply: Reply, rid: str, stamp: int, chat: bool):
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        first, status = True, CLIENT_GONE
+        first, status, text = True, CLIENT_GONE, []
         try:
             async for piece in reply.pieces():
                 yield event(completion_body(rid, model_id, piece, None, chat, stamp, stream=True, first=first))
                 first = False
+                text.append(piece)
             status = 200
+            record(endpoint, prompt, ask, reply, "".join(text))
             yield event(completion_body(rid, model_id, "", reply.finish_reason, chat, stamp, stream=True,
                                         first=first))
             yield "data: [DONE]\n\n"
@@ -162,13 +176,15 @@ def build_app(served: ServedModel, model_id: str, *, api_key: str | None = None,
         ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer(body.prompt).input_ids
         if not ids:
             raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-        return await answer("/v1/completions", body, _ask(served, body, ids, body.max_tokens), chat=False)
+        return await answer("/v1/completions", body, body.prompt, _ask(served, body, ids, body.max_tokens),
+                            chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         check_model(body.model)
         ids = _chat_ids(served, body)
-        return await answer("/v1/chat/completions", body, _ask(served, body, ids, body.length()), chat=True)
+        return await answer("/v1/chat/completions", body, [m.model_dump() for m in body.messages],
+                            _ask(served, body, ids, body.length()), chat=True)
 
     @app.get("/v1/models")
     async def models():

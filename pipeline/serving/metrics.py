@@ -71,6 +71,10 @@ class ServingMetrics:
               registry=r).set(served.engine.max_batch)
         r.register(_SpecCollector(served.engine.counters, drift))
 
+    def watch(self, name: str, doc: str, read) -> None:
+        """A gauge that reads `read()` at scrape time."""
+        Gauge(PREFIX + name, doc, registry=self.registry).set_function(read)
+
     def observe(self, reply) -> None:
         """A finished reply's latencies (pipeline.serving.reply.Reply)."""
         if reply.first_token_s is not None:

@@ -38,7 +38,7 @@ class Reply:
         self.started = time.perf_counter()
         self.first_token_s: float | None = None  # seconds from submission to the first token
         self.last_token_at = self.started
-        self.tokens = 0  # committed tokens received (the stop id included)
+        self.ids: list[int] = []  # committed tokens received (the stop id included)
         self.finish_reason: str | None = None  # stop | length, once the reply has ended
         self._ended_on_stop_id = False
         self._loop = asyncio.get_running_loop()
@@ -91,13 +91,13 @@ class Reply:
         now = time.perf_counter()
         if self.first_token_s is None:
             self.first_token_s = now - self.started
-        self.tokens += len(tokens)
+        self.ids += tokens
         self.last_token_at = now
         self._ended_on_stop_id = tokens[-1] in self.served.stop_ids
 
     @property
     def time_per_output_token(self) -> float | None:
         """Seconds per token after the first; None for a reply of one token."""
-        if self.first_token_s is None or self.tokens < 2:
+        if self.first_token_s is None or len(self.ids) < 2:
             return None
-        return (self.last_token_at - self.started - self.first_token_s) / (self.tokens - 1)
+        return (self.last_token_at - self.started - self.first_token_s) / (len(self.ids) - 1)

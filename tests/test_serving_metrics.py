@@ -13,6 +13,7 @@ from helpers import run_concurrently
 from openai_server import running, served_ngram
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.errors import DraftsmithError
 from pipeline.serving.api_server import build_app
 from pipeline.serving.drift import DriftMonitor, DriftSettings
 from runtime.serving.batch_engine import BatchRequest
@@ -88,8 +89,16 @@ def test_drift_alert_fires_once_below_the_margin_and_clears_on_recovery(caplog):
                                                    "below the bundle's validated tau 3.00 by more than 0.50")
     assert lines[1].startswith("drift over: rolling tau 2.75")
     assert not DriftMonitor(counters, None, DriftSettings(window=1, margin=0.0)).check()  # no validated tau
-    with pytest.raises(Exception, match="drift window=0: expected an integer >= 1"):
+    with pytest.raises(DraftsmithError, match="drift window=0: expected an integer >= 1"):
         DriftSettings(window=0)
+
+
+@pytest.mark.parametrize("name, value", [("DRAFTSMITH_DRIFT_WINDOW", "0"), ("DRAFTSMITH_DRIFT_WINDOW", "wide"),
+                                         ("DRAFTSMITH_DRIFT_MARGIN", "-1"), ("DRAFTSMITH_DRIFT_MARGIN", "nan")])
+def test_bad_drift_settings_are_one_line_errors_naming_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(DraftsmithError, match=f"^\\${name}='{value}': expected "):
+        DriftSettings.from_env()
 
 
 def test_a_drafter_that_drafts_badly_raises_the_alert_through_the_server(tiny_chat_target, tmp_path, caplog):

@@ -28,16 +28,23 @@ class DriftSettings:
 
     @staticmethod
     def from_env() -> "DriftSettings":
+        """$DRAFTSMITH_DRIFT_WINDOW and $DRAFTSMITH_DRIFT_MARGIN; a bad one is a one-line error naming it."""
         d = DriftSettings()
-        try:
-            window = int(os.environ.get(WINDOW_ENV) or d.window)
-        except ValueError:
-            raise DraftsmithError(f"${WINDOW_ENV}={os.environ[WINDOW_ENV]!r}: expected an integer >= 1") from None
-        try:
-            margin = float(os.environ.get(MARGIN_ENV) or d.margin)
-        except ValueError:
-            raise DraftsmithError(f"${MARGIN_ENV}={os.environ[MARGIN_ENV]!r}: expected a number >= 0") from None
-        return DriftSettings(window, margin)
+        return DriftSettings(_read(WINDOW_ENV, int, d.window, lambda v: v >= 1, "an integer >= 1"),
+                             _read(MARGIN_ENV, float, d.margin, lambda v: math.isfinite(v) and v >= 0, "a number >= 0"))
+
+
+def _read(name: str, kind, default, ok, expected: str):
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise DraftsmithError(f"${name}={raw!r}: expected {expected}")
+    return value
 
 
 class DriftMonitor:

@@ -80,7 +80,8 @@ def serve_openai(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "
     from pipeline.serving.capture import CaptureSettings, TrafficCapture
     from pipeline.serving.drift import DriftSettings
 
-    drift, capturing = DriftSettings.from_env(), CaptureSettings.from_env(capture_url)  # bad settings fail first
+    BatchSettings.from_env()  # bad settings fail here, before the model loads
+    drift, capturing = DriftSettings.from_env(), CaptureSettings.from_env(capture_url)
     capture = TrafficCapture(capturing) if capturing.url else None
     served, tau = load_champion(cfg, alias)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

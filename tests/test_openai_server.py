@@ -138,18 +138,18 @@ def slow_steps(monkeypatch):
 
 
 def test_a_full_queue_is_429_and_a_timeout_504(tiny_chat_target, tmp_path, slow_steps):
-    served = served_ngram(tmp_path, tiny_chat_target, max_batch=1, max_queue=0, timeout_s=4.0)
-    slow_steps(served.engine, 0.15)  # 200 tokens take 50 steps at least: 7.5 s
+    served = served_ngram(tmp_path, tiny_chat_target, max_batch=1, max_queue=0, timeout_s=2.0)
+    slow_steps(served.engine, 0.5)  # in 2 s a reply reaches 5 steps: 21 tokens at most, no end of turn among them
     with running(build_app(served, MODEL)) as url:
         c = client(url, "none")
         stream = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=200, temperature=0, stream=True)
         next(iter(stream))  # it holds the only row
         with pytest.raises(openai.RateLimitError, match="server busy: 1 rows running or queued, at most 1"):
             c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
-        with pytest.raises(openai.APIError, match="request timed out after 4 s"):
-            list(stream)  # past its 4 s: the stream ends with the timeout as an error event
+        with pytest.raises(openai.APIError, match="request timed out after 2 s"):
+            list(stream)  # past its 2 s: the stream ends with the timeout as an error event
         assert until(lambda: served.scheduler.rows_in_flight == 0)  # its row left at the next step
-        with pytest.raises(openai.APIStatusError, match="request timed out after 4 s") as late:
+        with pytest.raises(openai.APIStatusError, match="request timed out after 2 s") as late:
             c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=200)
         assert late.value.status_code == 504
         metrics = httpx.get(f"{url}/metrics").text

@@ -108,9 +108,14 @@ def cmd_promote(args) -> int:
 
 def cmd_serve(args) -> int:
     from pipeline.config import load_config
-    from pipeline.serving.server import serve
+    from pipeline.serving.server import serve, serve_openai
 
-    return serve(load_config(args.config, args.overrides), args.port, args.host, args.alias)
+    cfg = load_config(args.config, args.overrides)
+    if args.openai:
+        return serve_openai(cfg, args.port, args.host, args.alias, args.api_key, args.capture)
+    if args.api_key or args.capture:
+        raise DraftsmithError("--api-key and --capture are the OpenAI-compatible server's: pass --openai too")
+    return serve(cfg, args.port, args.host, args.alias)
 
 
 def _bench_prompts(path: Path) -> list[str | list[int]]:
@@ -278,6 +283,13 @@ def build_parser() -> Parser:
     sv.add_argument("--port", type=int, default=5000)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--alias", default="champion")
+    sv.add_argument("--openai", action="store_true", help="serve the OpenAI-compatible API (/v1/completions, "
+                    "/v1/chat/completions, streaming, /metrics) instead of MLflow's /invocations")
+    sv.add_argument("--api-key", help="with --openai: /v1/ requests must send it as a bearer token (default "
+                    "$DRAFTSMITH_API_KEY)")
+    sv.add_argument("--capture", metavar="DB_URL", help="with --openai: record each answered request's prompt and "
+                    "reply in this database (SQLAlchemy URL, e.g. sqlite:///traffic.db; default "
+                    "$DRAFTSMITH_CAPTURE_URL; off when neither is set)")
     sv.add_argument("--config")
     sv.add_argument("overrides", nargs="*", metavar="key=value")
     sv.set_defaults(fn=cmd_serve)

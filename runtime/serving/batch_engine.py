@@ -40,6 +40,7 @@ from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.speculation.verify import verify, verify_batch
+from runtime.serving.spec_counters import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,13 @@ class _Row:
     @property
     def done(self) -> bool:
         return len(self.out) >= self.request.max_new_tokens or not set(self.request.stop_ids).isdisjoint(self.out)
+
+    def final(self) -> list[int]:
+        """The tokens the request keeps: up to its first stop id (included) or max_new_tokens."""
+        stop = set(self.request.stop_ids)
+        first_stop = next((i for i, t in enumerate(self.out) if t in stop), None)
+        return self.out[: self.request.max_new_tokens if first_stop is None else
+                        min(first_stop + 1, self.request.max_new_tokens)]
 
 
 class BatchEngine:
@@ -104,6 +112,9 @@ class BatchEngine:
         self.rows: list[_Row | None] = [None] * max_batch
         self.queue: deque[BatchRequest] = deque()
         self.step_times: list[tuple[int, float]] | None = None  # a list: each step appends (rows, seconds)
+        self.counters = SpecCounters()
+        # called on the stepping thread with (key, tokens) as a row's kept tokens land (streaming); None: nobody asks
+        self.on_commit: Callable[[Hashable, list[int]], None] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -179,15 +190,20 @@ class BatchEngine:
                 if rows[b].lookup is not None:
                     rows[b].lookup.commit(torch.tensor(committed[b]))
         draft_s += clock.lap()
+        self.counters.record_step(n)
         for b, row in enumerate(rows):
             row.stats.draft_s += draft_s
             row.stats.verify_s += verify_s
             row.stats.rollback_s += rollback_s
             row.stats.record(trees[b], verdicts[b].accepted)
+            self.counters.record_row(len(trees[b]), len(verdicts[b].accepted), self.drafter is not None)
             if row.speculating and row.stats.should_fall_back():
                 row.speculating = False
             row.n_cached += len(kept[b])
+            before = len(row.out)
             row.out += committed[b]
+            if self.on_commit is not None:
+                self._hand_out(row, before)
             if row.done:
                 done[row.request.key] = self._finish(b)
         if self.step_times is not None:
@@ -277,14 +293,22 @@ class BatchEngine:
             if row.lookup is not None:
                 row.lookup.reset(sequence.cpu())
         row.prefill_s = clock.lap()
+        if self.on_commit is not None:
+            self._hand_out(row, 0)
         return {request.key: self._finish(b)} if row.done else {}
+
+    def _hand_out(self, row: _Row, before: int) -> None:
+        """Give on_commit the row's kept tokens from index `before` on (none past a stop id or max_new_tokens); the
+        row was not done before them, so only they can hold its end."""
+        fresh, stop = row.out[before:row.request.max_new_tokens], set(row.request.stop_ids)
+        first_stop = next((i for i, t in enumerate(fresh) if t in stop), None)
+        fresh = fresh if first_stop is None else fresh[:first_stop + 1]
+        if fresh:
+            self.on_commit(row.request.key, fresh)
 
     def _finish(self, b: int) -> Generation:
         row = self._free(b)
-        stop, out = set(row.request.stop_ids), row.out
-        first_stop = next((i for i, t in enumerate(out) if t in stop), None)
-        out = out[: row.request.max_new_tokens if first_stop is None else
-                  min(first_stop + 1, row.request.max_new_tokens)]
+        out = row.final()
         total = time.perf_counter() - row.started
         return Generation(out, row.stats.metrics(len(row.request.prompt), len(out), row.prefill_s, total))
 

@@ -6,6 +6,10 @@ with its generations, with RequestTimedOut once `timeout_s` has passed since it 
 from the engine at the next step, freeing theirs), or with the engine's error should a step fail (every row then in
 the engine gets it, and the engine starts over empty). A caller that stops waiting (a client that went away) costs
 nothing but its rows' steps: its answer is dropped when it comes, and every other request goes on.
+
+`generate` waits on the caller's thread. `submit` returns at once with a Pending: a streaming caller passes
+`on_tokens`, handed each row's tokens as they are committed, and `on_done`, called once all rows have finished or
+failed (both on the scheduler's thread: they must only hand the news on), and may `cancel` it at any time.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
@@ -40,6 +45,63 @@ class _Ticket:
     answers: dict[int, Generation] = field(default_factory=dict)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_tokens: Callable[[int, list[int]], None] | None = None  # (row, tokens) as they land
+    on_done: Callable[[], None] | None = None
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            _call(self.on_done)
+
+    def hand_out(self, row: int, tokens: list[int]) -> None:
+        if self.on_tokens is not None and not _call(self.on_tokens, row, tokens):
+            self.on_tokens = None  # a failing callback is not called again
+
+
+def _call(fn, *args) -> bool:
+    """A caller's callback on the scheduler's thread: its failure is printed, never the step's that everyone shares."""
+    try:
+        fn(*args)
+        return True
+    except Exception:
+        traceback.print_exc(file=sys.stderr)
+        return False
+
+
+class Pending:
+    """An accepted request: its answers (`result`), or its rows dropped (`cancel`)."""
+
+    def __init__(self, scheduler: "Scheduler", tid: int, ticket: _Ticket):
+        self._scheduler, self._tid, self._ticket = scheduler, tid, ticket
+        self.deadline = ticket.accepted + scheduler.timeout_s  # time.monotonic()'s clock
+
+    @property
+    def done(self) -> bool:
+        return self._ticket.done.is_set()
+
+    def result(self) -> list[Generation]:
+        """Wait until every row has finished, at most until the deadline: the generations in order; RequestTimedOut
+        (its rows then leave the engine) or the engine's error as SchedulerError."""
+        s, ticket = self._scheduler, self._ticket
+        if not ticket.done.wait(max(0.0, self.deadline - time.monotonic())):
+            with s._cond:
+                if not ticket.done.is_set():  # it may have finished while the lock was taken
+                    s._give_up(self._tid, ticket)
+                    raise RequestTimedOut(
+                        f"request timed out after {s.timeout_s:g} s: {ticket.rows - len(ticket.answers)} of its "
+                        f"{ticket.rows} rows unfinished ({s._rows} rows running or queued)")
+        if ticket.error is not None:
+            raise SchedulerError(f"generation failed: {type(ticket.error).__name__}: {ticket.error}")
+        return [ticket.answers[i] for i in range(ticket.rows)]
+
+    def cancel(self) -> bool:
+        """Stop the request (a client that went away, a stop string seen): its unfinished rows leave the engine at
+        the next step and no callback of it runs after this returns. Whether it was still unfinished."""
+        with self._scheduler._cond:
+            if self._ticket.done.is_set() or self._tid not in self._scheduler._tickets:
+                return False
+            self._scheduler._give_up(self._tid, self._ticket)
+            return True
 
 
 class Scheduler:
@@ -68,13 +130,18 @@ class Scheduler:
         """Run `requests` (their keys are replaced by the scheduler's) and wait for all of their generations, in
         order. ValueError for a request no engine could run; QueueFull, RequestTimedOut or the engine's error as
         SchedulerError otherwise."""
+        return self.submit(requests).result()
+
+    def submit(self, requests: list[BatchRequest], on_tokens: Callable[[int, list[int]], None] | None = None,
+               on_done: Callable[[], None] | None = None) -> Pending:
+        """Accept `requests` whole and return at once (ValueError or QueueFull as `generate` raises them)."""
         cfg, vocab = self.engine.cfg, self.engine.target.config.vocab_size
         for r in requests:
             check_request(r.prompt, r.max_new_tokens, vocab, cfg.max_seq_len)
         if len(requests) > self.capacity:
             raise QueueFull(f"a request of {len(requests)} rows can never fit: the server runs {self.engine.max_batch} "
                             f"rows and queues {self.max_queue} more (send fewer rows a request)")
-        ticket = _Ticket(len(requests), time.monotonic())
+        ticket = _Ticket(len(requests), time.monotonic(), on_tokens=on_tokens, on_done=on_done)
         with self._cond:
             if self._rows + len(requests) > self.capacity:
                 raise QueueFull(f"server busy: {self._rows} rows running or queued, at most {self.capacity} "
@@ -82,18 +149,29 @@ class Scheduler:
             tid = next(self._ids)
             self._tickets[tid] = ticket
             self._rows += len(requests)
+            if on_tokens is not None:
+                self.engine.on_commit = self._hand_out
             self._incoming.extend((ticket, replace(r, key=(tid, i))) for i, r in enumerate(requests))
             self._cond.notify()
-        if not ticket.done.wait(self.timeout_s):
-            with self._cond:
-                if not ticket.done.is_set():  # it may have finished while the lock was taken
-                    self._give_up(tid, ticket)
-                    raise RequestTimedOut(
-                        f"request timed out after {self.timeout_s:g} s: {ticket.rows - len(ticket.answers)} of its "
-                        f"{ticket.rows} rows unfinished ({self._rows} rows running or queued)")
-        if ticket.error is not None:
-            raise SchedulerError(f"generation failed: {type(ticket.error).__name__}: {ticket.error}")
-        return [ticket.answers[i] for i in range(ticket.rows)]
+        return Pending(self, tid, ticket)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread that steps the engine is running (it only ends with the process)."""
+        return self._thread.is_alive()
+
+    @property
+    def rows_waiting(self) -> int:
+        """Rows accepted and not yet in the engine's batch."""
+        with self._cond:
+            return self._rows - self.engine.running
+
+    def _hand_out(self, key: tuple[int, int], tokens: list[int]) -> None:
+        """(Scheduler thread, inside a step.) A row's fresh tokens to its caller's on_tokens, unless it gave up."""
+        with self._cond:
+            ticket = self._tickets.get(key[0])
+            if ticket is not None:  # under the lock: a cancel that has returned is never followed by a callback
+                ticket.hand_out(key[1], tokens)
 
     def _give_up(self, tid: int, ticket: _Ticket) -> None:
         """(Lock held.) The caller stopped waiting: its rows still waiting here go, those in the engine are dropped
@@ -134,7 +212,7 @@ class Scheduler:
                     ticket.answers[i] = generation
                     if len(ticket.answers) == ticket.rows:
                         del self._tickets[tid]
-                        ticket.done.set()
+                        ticket.finish()
 
     def _fail_all(self, error: BaseException, unsubmitted: list[tuple[int, int]]) -> None:
         """Every row in the engine is dropped and its request answered with `error`, as are `unsubmitted` rows."""
@@ -147,4 +225,4 @@ class Scheduler:
                 ticket = self._tickets.pop(tid, None)
                 if ticket is not None:
                     ticket.error = error
-                    ticket.done.set()
+                    ticket.finish()

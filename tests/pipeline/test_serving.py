@@ -16,7 +16,7 @@ from pipeline.bench.load import free_port, start_server, stop
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
 from pipeline.stages.register import run_promote, run_register
-from pipeline.serving.pyfunc import BUDGET_ENV, DEVICE_ENV, budget_source, serving_device
+from pipeline.serving.settings import BUDGET_ENV, DEVICE_ENV, budget_source, serving_device
 from pipeline.serving.server import serve_invocation
 from pipeline.sources import target_fingerprint
 from runtime.target.precision import float_dtype
@@ -54,7 +54,7 @@ def test_pyfunc_generates_like_the_target(tmp_path, tiny_chat_target):
     model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
     model = mlflow.pyfunc.load_model(model_uri)
     dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))  # served as validate measured
-    assert model.unwrap_python_model().engine.target.dtype == dtype
+    assert model.unwrap_python_model().served.engine.target.dtype == dtype
     prompts = ["w5 w6 w7 w5 w6 w7 w5 w6", "w40 w41 w40 w41"]
     # The second row leaves max_new_tokens out (NaN in the frame): it gets validate's max_new_tokens.
     served = model.predict(pd.DataFrame([{"prompt": prompts[0], "max_new_tokens": 24}, {"prompt": prompts[1]}]))
@@ -172,7 +172,7 @@ def test_pyfunc_serves_the_device_candidate_that_runs_fastest_here(tmp_path, tin
     for source in ("device", "calibrated"):
         monkeypatch.setenv(BUDGET_ENV, source)
         served[source] = mlflow.pyfunc.load_model(model_uri)
-    device, calibrated = (served[s].unwrap_python_model().engine.cfg for s in ("device", "calibrated"))
+    device, calibrated = (served[s].unwrap_python_model().served.engine.cfg for s in ("device", "calibrated"))
     assert (device.budget, device.lookup, device.max_tree) == (DraftBudget(3, 2, 6), 4, 5)
     assert (calibrated.budget, calibrated.lookup) == (DraftBudget(1, 1, 1), 0)
     prompt = "w5 w6 w7 w5 w6 w7 w5 w6"
@@ -188,7 +188,7 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.serving.pyfunc import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV, TIMEOUT_ENV, BatchSettings
+    from pipeline.serving.settings import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV, TIMEOUT_ENV, BatchSettings
 
     cfg = registry_cfg(tmp_path, tiny_chat_target)
     store = validated_run(cfg, "r1", 1.5, target_fingerprint=target_fingerprint(tiny_chat_target))
@@ -196,8 +196,8 @@ def test_pyfunc_batches_concurrent_requests_and_refuses_what_cannot_fit(tmp_path
     for name, value in ((MAX_BATCH_ENV, "2"), (MAX_QUEUE_ENV, "1"), (POLICY_ENV, "fixed"), (TIMEOUT_ENV, "600")):
         monkeypatch.setenv(name, value)
     model = mlflow.pyfunc.load_model(model_uri)
-    engine = model.unwrap_python_model().engine
-    assert engine.max_batch == 2 and model.unwrap_python_model().scheduler.capacity == 3
+    engine = model.unwrap_python_model().served.engine
+    assert engine.max_batch == 2 and model.unwrap_python_model().served.scheduler.capacity == 3
     frames = [[{"prompt": "w5 w6 w7 w5 w6", "max_new_tokens": 20.0}],
               [{"prompt": "w40 w41 w40", "max_new_tokens": 14.0}, {"prompt": "w9 w8 w9 w8", "max_new_tokens": 9.0}],
               [{"prompt": "w60 w61 w62", "max_new_tokens": 17.0}]]
@@ -226,15 +226,16 @@ def test_pyfunc_refuses_a_prompt_beyond_the_served_context_in_one_line(tiny_chat
     from transformers import AutoTokenizer
 
     from pipeline.serving.pyfunc import DraftsmithPyfunc
-    from runtime.speculation.engine import Engine, EngineConfig
+    from pipeline.serving.served_model import ServedModel
+    from pipeline.serving.settings import BatchSettings
+    from runtime.serving.batch_engine import BatchEngine
+    from runtime.speculation.engine import EngineConfig
     from runtime.target.loading import from_pretrained
 
     model = DraftsmithPyfunc()  # what load_context builds, with a short context (no queue: refused before it)
-    model.tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)
-    model.engine = Engine(from_pretrained(tiny_chat_target, max_seq_len=48), None,
-                          EngineConfig(max_seq_len=48))
-    model.stop_ids, model.max_new_tokens = (), 8
-    n = len(model._prompt_ids("w5 " * 40))
+    engine = BatchEngine(from_pretrained(tiny_chat_target, max_seq_len=48), None, EngineConfig(max_seq_len=48), 1)
+    model.served = ServedModel(AutoTokenizer.from_pretrained(tiny_chat_target), engine, None, (), 8, BatchSettings())
+    n = len(model.served.chat_ids("w5 " * 40))
     assert n + 8 - 1 > 48
     rows = pd.DataFrame([{"prompt": "w5 w6"}, {"prompt": "w5 " * 40}])
     with pytest.raises(ValueError, match=f"^row 1: prompt of {n} tokens \\+ max_new_tokens=8 does not fit the "

@@ -8,7 +8,7 @@ import torch
 from test_serving import plain_greedy, served_champion
 
 from pipeline.bench.load import post, run_load, same_as_reference
-from pipeline.serving.pyfunc import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV
+from pipeline.serving.settings import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV
 from runtime.target.precision import float_dtype
 
 PROMPTS = ["w5 w6 w7 w5 w6 w7", "w40 w41 w40 w41", "w9 w8 w9", "w60 w61 w62 w60", "w70 w12 w70"]

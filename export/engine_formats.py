@@ -9,8 +9,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime.speculation.drafter import EngineExport
 from runtime.drafters import get_kind
+from runtime.speculation.drafter import EngineExport
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 

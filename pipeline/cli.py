@@ -8,11 +8,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
 from pipeline.errors import DraftsmithError
 from pipeline.flags import Parser, bounded
-from runtime.bundle_reader import BundleError
-from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
 from pipeline.host_memory import keep_freed_memory
+from runtime.bundle_reader import BundleError
 
 console = Console(stderr=True)
 EXIT_GATE_FAILED = 3  # validate ran and its gate said no (the DAG branches on it); 1 = a stage failed, 2 = bad input
@@ -165,12 +165,12 @@ def _speculation(args):
     """What `pipeline bench --drafter` names: a weightless kind, or a bundle (hashes and target checked first)."""
     from pipeline.bench.harness import Speculation
     from pipeline.sources import resolve_target, target_fingerprint
-    from runtime.speculation.draft_budget import ServedBudget
     from runtime.bundle_reader import read_bundle
-    from runtime.serving.budget_tuner import ENGINE_NEW_TOKENS
     from runtime.drafters import get_kind, kind_names
-    from runtime.speculation.engine import Engine, EngineConfig
+    from runtime.serving.budget_tuner import ENGINE_NEW_TOKENS
     from runtime.serving.served_engine import ServedEngine, served_engine
+    from runtime.speculation.draft_budget import ServedBudget
+    from runtime.speculation.engine import Engine, EngineConfig
 
     budget, on_device = _budget(args.budget), args.budget == DEVICE_BUDGET
     weightless = [k for k in kind_names() if not get_kind(k).weighted]

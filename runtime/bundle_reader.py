@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.target.attention import SpecAttnConfig
-from runtime.speculation.draft_budget import ServedBudget
 from runtime.files import sha256_file
+from runtime.speculation.draft_budget import ServedBudget
+from runtime.target.attention import SpecAttnConfig
 
 FORMAT = "draftsmith-bundle/1"
 MANIFEST = "manifest.json"

@@ -22,8 +22,8 @@ from rich.table import Table
 from pipeline.bench.harness import default_bench_prompts, device_name
 from pipeline.bench.load import free_port, run_load, same_as_reference, start_server, stop
 from pipeline.config import load_config
-from pipeline.serving.settings import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV
 from pipeline.serving.server import serve_invocation
+from pipeline.serving.settings import MAX_BATCH_ENV, MAX_QUEUE_ENV, POLICY_ENV
 from pipeline.sources import resolve_target
 
 console = Console(stderr=True)

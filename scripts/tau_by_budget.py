@@ -15,12 +15,12 @@ import torch
 
 from pipeline.sources import resolve_target, target_fingerprint
 from pipeline.tokens import stop_ids
-from runtime.speculation.draft_budget import ServedBudget
 from runtime.bundle_reader import read_bundle
-from runtime.speculation.decode_stats import tokens_per_forward
-from runtime.target.loading import from_pretrained
-from runtime.speculation.sampling import SamplingParams
 from runtime.serving.served_engine import served_engine
+from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.draft_budget import ServedBudget
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.loading import from_pretrained
 
 NEW_TOKENS = 128
 

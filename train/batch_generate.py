@@ -18,8 +18,8 @@ from typing import Hashable
 import torch
 from torch import Tensor
 
-from runtime.target.model import Taps, Transformer
 from runtime.speculation.sampling import SamplingParams, sample, warp
+from runtime.target.model import Taps, Transformer
 
 
 @dataclass(frozen=True)

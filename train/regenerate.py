@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from train.batch_generate import BatchGenerator, Completion, Request
-from runtime.target.model import Taps, Transformer
 from runtime.speculation.sampling import SamplingParams
+from runtime.target.model import Taps, Transformer
+from train.batch_generate import BatchGenerator, Completion, Request
 from train.data import TokenizedSet, tokenize_prompt
 from train.shards import Row, ShardWriter, done_keys, feature_bytes
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.target.attention import pick_backend
 from runtime.drafters.shared.eagle_drafting import EagleBase
+from runtime.target.attention import pick_backend
 
 
 MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the default's is ~42 MB)

@@ -36,11 +36,11 @@ from tqdm import tqdm
 
 from export.calibrate.predict import could_win, predict_budgets
 from export.calibrate.replay import reference
-from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Transformer
 from runtime.speculation.sampling import SamplingParams
+from runtime.target.model import Transformer
 
 # (depth, width, nodes): chains and small trees up to the configured budget, which is also tried adaptively
 LADDER = ((1, 1, 1), (1, 3, 3), (2, 1, 2), (2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 2, 8), (4, 3, 12), (5, 4, 16))

@@ -20,9 +20,9 @@ from export.calibrate.specattn_sweep import next_token_nll, perplexity
 from export.calibrate.timing import interleaved_ms
 from runtime.bundle_reader import KV_QUANT, NO_KV_QUANT
 from runtime.speculation.drafter import Drafter
+from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import Transformer
 from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
-from runtime.speculation.tau_probe import TauProbe
 
 
 @torch.inference_mode()

@@ -21,9 +21,9 @@ import torch
 
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.engine import Engine
+from runtime.speculation.sampling import SamplingParams
 from runtime.target.kv_cache import KVCache
 from runtime.target.model import ForwardOutput, Taps, Transformer
-from runtime.speculation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from torch import nn
 from tqdm import tqdm
 
 from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
-from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads
 from runtime.speculation.drafter import Drafter, DrafterKind
-from runtime.target.model import Taps, Transformer
 from runtime.speculation.tau_probe import TauProbe
+from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads
+from runtime.target.model import Taps, Transformer
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
 

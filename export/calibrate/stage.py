@@ -17,13 +17,13 @@ from export.calibrate.budget_search import calibrate_budget
 from export.calibrate.kv import calibrate_kv
 from export.calibrate.specattn_sweep import calibrate_specattn
 from export.calibrate.weights import calibrate_quant
-from runtime.speculation.draft_budget import ServedBudget
 from runtime.bundle_reader import KV_QUANT, kv_engine_fields
 from runtime.drafters import drafter_module, get_kind, served_drafter
-from runtime.target.model import Transformer
 from runtime.drafters.ngram import load_corpus
-from runtime.target.precision import float_dtype
+from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
+from runtime.target.model import Transformer
+from runtime.target.precision import float_dtype
 
 NOT_APPLICABLE = "not applicable"
 

@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from runtime.drafters import drafter_module, served_drafter
-from runtime.target.model import Transformer
 from runtime.speculation.tau_probe import TauProbe
+from runtime.target.model import Transformer
 from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from pipeline.bench.harness import Speculation, device_name, interleaved
+from pipeline.tokens import encode, stop_ids
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
+from runtime.serving.served_engine import batch_config
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.loading import from_pretrained
-from runtime.serving.served_engine import batch_config
-from pipeline.tokens import encode, stop_ids
 
 POLICIES = ("fixed", "measured")
 

@@ -6,9 +6,9 @@ import torch
 from torch import Tensor
 
 from kernels.sparse_attention import sparse_attention_torch
+from runtime.speculation.tree import DraftTree
 from runtime.target.attention import BACKENDS, attention_mask
 from runtime.target.attention.flashinfer import FlashInferBackend
-from runtime.speculation.tree import DraftTree
 
 
 def random_tree_mask(T: int, S: int, device: str) -> Tensor:

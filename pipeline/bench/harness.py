@@ -17,17 +17,17 @@ import torch
 from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
-from runtime.target.attention import pick_backend
-from runtime.speculation.decode_stats import tokens_per_forward
+from pipeline.tokens import encode, stop_ids
 from runtime.device import synchronizer
 from runtime.serving.budget_tuner import describe
+from runtime.serving.served_engine import ServedEngine, static_verify_config
+from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig, Generation
-from runtime.target.model import ModelConfig, Transformer, context_error
-from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
-from runtime.serving.served_engine import ServedEngine, static_verify_config
-from pipeline.tokens import encode, stop_ids
+from runtime.target.attention import pick_backend
+from runtime.target.loading import from_pretrained
+from runtime.target.model import ModelConfig, Transformer, context_error
 Method = Callable[[list[int], torch.Generator], tuple[list[int], "Generation | None"]]
 
 

@@ -16,11 +16,11 @@ import torch
 
 from pipeline.bench.harness import Speculation, device_name, hf_generate, interleaved
 from pipeline.errors import DraftsmithError
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import ModelConfig, context_error
-from runtime.target.loading import from_pretrained
-from runtime.speculation.sampling import SamplingParams
 from pipeline.tokens import stop_ids
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.loading import from_pretrained
+from runtime.target.model import ModelConfig, context_error
 
 MAX = "max"  # --context: the longest prompt the model's context holds with max_new_tokens after it
 QUESTION = "Summarise the document above in a few sentences, then name its main topic."

@@ -28,9 +28,9 @@ from pipeline.flags import Parser, bounded
 from runtime.speculation import cuda_graphs
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
+from runtime.speculation.tree import DraftTree
 from runtime.target.loading import hf_causal_lm
 from runtime.target.model import ModelConfig, Transformer, rope_tables
-from runtime.speculation.tree import DraftTree
 
 RANDOM_CONFIGS: dict[str, dict] = {
     "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M(-Instruct) shape

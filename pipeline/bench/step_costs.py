@@ -17,15 +17,15 @@ from typing import Callable
 
 import torch
 
-from pipeline.bench.harness import device_name
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
-from runtime.speculation.cuda_graphs import BUCKETS, StaticVerifier
-from runtime.device import synchronizer
-from runtime.drafters.shared.draft_head import DraftHead
-from runtime.speculation.draft_budget import ServedBudget
-from runtime.drafters.eagle import EagleModel
+from pipeline.bench.harness import device_name
 from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
+from runtime.device import synchronizer
+from runtime.drafters.eagle import EagleModel
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.shared.eagle_static import StaticEagleTree
+from runtime.speculation.cuda_graphs import BUCKETS, StaticVerifier
+from runtime.speculation.draft_budget import ServedBudget
 
 BUDGETS = ("1x3/3", "2x1", "2x3/6", "3x3/9", "4x4/16", "6x4/24")
 PENDING = 3  # pairs a propose commits to the drafter cache first: the last step's accepted path and bonus token

@@ -22,12 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.bench.harness import device_name
-from runtime.drafters.shared.draft_head import DraftHead
-from runtime.speculation.draft_budget import ServedBudget
-from runtime.drafters.eagle import EagleModel
-from runtime.drafters.shared.eagle_drafting import EagleDrafter
-from runtime.speculation.engine import Engine, EngineConfig
 from pipeline.bench.random_weights import random_models, random_prompts, run_step_tool, step_tool_parser
+from runtime.drafters.eagle import EagleModel
+from runtime.drafters.shared.draft_head import DraftHead
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.draft_budget import ServedBudget
+from runtime.speculation.engine import Engine, EngineConfig
 
 VIEWS = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "unsqueeze", "expand",
          "t", "as_strided", "detach", "alias", "permute", "squeeze", "unbind", "chunk", "reshape", "_reshape_alias"}

@@ -42,8 +42,8 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
     from runtime.serving.scheduler import Scheduler
     from runtime.serving.served_engine import served_engine
     from runtime.speculation.draft_budget import ServedBudget
-    from runtime.target.precision import float_dtype
     from runtime.target.loading import from_pretrained
+    from runtime.target.precision import float_dtype
 
     target_dir = resolve_target(model_config["target"])
     # Refuse to serve a drafter against weights other than those it was trained and validated for.

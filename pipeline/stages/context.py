@@ -33,8 +33,8 @@ class StageContext:
         precision auto|fp32|bf16 (runtime.target.precision: auto is bf16 where bf16 is fast)."""
         import torch
 
-        from runtime.target.model import ModelConfig
         from runtime.target.loading import from_pretrained
+        from runtime.target.model import ModelConfig
         from runtime.target.precision import float_dtype
 
         if max_seq_len is None:

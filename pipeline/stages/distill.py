@@ -50,9 +50,9 @@ def run_distill(ctx: StageContext) -> StageResult:
     import torch
     from safetensors.torch import save_file
 
-    from runtime.drafters.shared.draft_head import frequent_token_ids
     from runtime.drafters import drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
     from runtime.drafters.ngram import load_corpus
+    from runtime.drafters.shared.draft_head import frequent_token_ids
     from runtime.target.precision import use_bf16
     from train.batches import Batches
     from train.data import TokenizedSet, prompts_from

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.target.cpu_packing import Linear
 from runtime.drafters.shared.draft_head import DraftHead
-from runtime.speculation.drafter import EngineExport
 from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
+from runtime.speculation.drafter import EngineExport
+from runtime.target.cpu_packing import Linear
 from runtime.target.loading import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
 from runtime.target.model import Block, ModelConfig, Transformer
 

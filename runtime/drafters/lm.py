@@ -19,10 +19,10 @@ from runtime.drafters.shared.draft_head import DraftHead
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree, tree_probs
-from runtime.target.cpu_packing import pack_for_cpu
-from runtime.target.model import ModelConfig, RopeScaling, Taps, Transformer
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.cpu_packing import pack_for_cpu
+from runtime.target.model import ModelConfig, RopeScaling, Taps, Transformer
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from runtime.drafters.shared.draft_head import DraftHead
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.dynamic_tree import grow_tree, tree_probs
-from runtime.target.cpu_packing import Linear, pack_for_cpu
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.cpu_packing import Linear, pack_for_cpu
 
 
 @dataclass(frozen=True)

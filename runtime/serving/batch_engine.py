@@ -28,19 +28,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.drafters.ngram import NgramDrafter
 from runtime.drafters.shared.batch_drafter import batch_drafter
-from runtime.speculation.draft_budget import BatchPolicy, DraftBudget, ServedBudget
+from runtime.serving.spec_counters import SpecCounters
 from runtime.speculation.cuda_graphs import StaticVerifier
 from runtime.speculation.decode_stats import Clock, DecodeStats
+from runtime.speculation.draft_budget import BatchPolicy, DraftBudget, ServedBudget
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import EngineConfig, Generation, check_request, prompt_window
-from runtime.target.kv_cache import KVCache
-from runtime.target.model import Taps, Transformer
-from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.speculation.verify import verify, verify_batch
-from runtime.serving.spec_counters import SpecCounters
+from runtime.target.kv_cache import KVCache
+from runtime.target.model import Taps, Transformer
 
 
 @dataclass(frozen=True)

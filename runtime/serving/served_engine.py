@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from runtime.bundle_reader import Bundle
+from runtime.drafters import build_drafter, get_kind
 from runtime.serving.batch_engine import BatchEngine
 from runtime.serving.budget_tuner import BATCH_NEW_TOKENS, ENGINE_NEW_TOKENS, choose_on_device, measure_policy
 from runtime.speculation.draft_budget import BatchPolicy, ServedBudget
-from runtime.bundle_reader import Bundle
 from runtime.speculation.drafter import Drafter
-from runtime.drafters import build_drafter, get_kind
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.model import Transformer
 

@@ -9,11 +9,11 @@ from typing import Callable
 
 import torch
 
-from runtime.target.attention import kv_reads
+from runtime.device import synchronizer
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.engine_config import EngineConfig
-from runtime.device import synchronizer
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import kv_reads
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,18 @@ from typing import Callable
 
 import torch
 
-from runtime.target.attention import kept_keys
-from runtime.speculation.cuda_graphs import StaticVerifier
-from runtime.speculation.engine_config import EngineConfig
-from runtime.speculation.draft_budget import DraftBudget
-from runtime.speculation.decode_stats import Clock, DecodeStats, Metrics
-from runtime.speculation.drafter import Drafter
-from runtime.target.model import Taps, Transformer, context_error
 from runtime.drafters.ngram import NgramDrafter
-from runtime.target.quant_kv_cache import QuantizedKVCache, kv_cache_as
+from runtime.speculation.cuda_graphs import StaticVerifier
+from runtime.speculation.decode_stats import Clock, DecodeStats, Metrics
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.drafter import Drafter
+from runtime.speculation.engine_config import EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.speculation.verify import verify
+from runtime.target.attention import kept_keys
+from runtime.target.model import Taps, Transformer, context_error
+from runtime.target.quant_kv_cache import QuantizedKVCache, kv_cache_as
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.target.attention import SpecAttnConfig
-from runtime.speculation.draft_budget import DraftBudget
+from runtime.drafters.ngram import NgramDrafter
 from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Transformer
-from runtime.drafters.ngram import NgramDrafter
-from runtime.target.quant_kv_cache import KVQuant
 from runtime.speculation.sampling import SamplingParams
+from runtime.target.attention import SpecAttnConfig
+from runtime.target.model import Transformer
+from runtime.target.quant_kv_cache import KVQuant
 
 
 @dataclass(frozen=True)

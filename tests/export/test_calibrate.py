@@ -19,20 +19,20 @@ from export.calibrate.weights import choose_scheme
 from pipeline.config import Config
 from pipeline.runstore import RunStore
 from pipeline.stages.context import StageContext
-from runtime.target.attention import SpecAttnConfig
-from runtime.speculation.draft_budget import DraftBudget, ServedBudget
-from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
+from runtime.speculation.decode_stats import tokens_per_forward
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.attention import SpecAttnConfig
+from runtime.target.loading import from_pretrained
 from runtime.target.precision import float_dtype
 from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache
-from runtime.speculation.sampling import SamplingParams
-from train.recipes import eagle as eagle_recipe
-from train.recipes import lm as lm_recipe
 from train.batches import Batches
 from train.data import TokenizedSet, prompts_from
+from train.recipes import eagle as eagle_recipe
+from train.recipes import lm as lm_recipe
 from train.spec import TrainSpec
 from train.trainer import train
 

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from export.engine_formats import write_engine_export
-from support.helpers import perturbed
 from runtime.drafters.eagle3 import KIND, Eagle3Config, Eagle3Model, aux_layers
-from runtime.target.model import Taps, Transformer
 from runtime.target.loading import from_pretrained
+from runtime.target.model import Taps, Transformer
+from support.helpers import perturbed
 
 VOCAB, DRAFT_VOCAB, LAYERS = 96, 32, 8
 

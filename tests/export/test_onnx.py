@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
-from support.helpers import perturbed
 from runtime.drafters.shared.eagle_drafting import EagleStep
 from runtime.target.loading import from_pretrained
+from support.helpers import perturbed
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa
 

@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from export.engine_formats import write_engine_export
-from support.helpers import perturbed
-from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle import HOT_TOKENS, KIND, EagleModel
-from runtime.target.model import RMSNorm
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.target.loading import from_pretrained
+from runtime.target.model import RMSNorm
+from support.helpers import perturbed
 from train.recipes.eagle import build_eagle
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from triton.runtime.jit import JITFunction
 
+from kernels import gpu_compile
 import kernels.kv_quant as kvq
 import kernels.sparse_attention as sa
 import kernels.topp as topp
 from support.helpers import run_in_triton_interpreter
-from kernels import gpu_compile
 
 
 def softmax_rows(*shape: int, seed: int, sharpness: float = 3.0) -> torch.Tensor:

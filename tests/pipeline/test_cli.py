@@ -224,8 +224,8 @@ def test_an_error_with_brackets_prints_as_written(capsys):
 
 
 def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, monkeypatch, capsys):
-    import pipeline.stages.prepare
     from pipeline.cli import main
+    import pipeline.stages.prepare
 
     def boom(ctx):
         raise RuntimeError("disk on fire")

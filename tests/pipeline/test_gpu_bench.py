@@ -5,18 +5,18 @@ import json
 import pytest
 import torch
 
-from runtime.target.attention import SpecAttnConfig
-from pipeline.bench.harness import measure
-from runtime.serving.served_engine import static_verify_config
-from runtime.speculation import cuda_graphs
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
-from runtime.speculation.cuda_graphs import StaticVerifier, key_span
-from runtime.speculation.engine import Engine, EngineConfig
+from pipeline.bench.harness import measure
 from pipeline.bench.random_weights import ReplayDrafter, random_models, random_prompts, run_random_bench
-from runtime.speculation.sampling import SamplingParams
 from pipeline.bench.step_costs import step_costs
 from pipeline.bench.step_profile import step_profile
+from runtime.serving.served_engine import static_verify_config
+from runtime.speculation import cuda_graphs
+from runtime.speculation.cuda_graphs import StaticVerifier, key_span
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import SpecAttnConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from support.mlflow_server import run_stage, validated_run
 from pipeline.bench.load import free_port, start_server, stop
 from pipeline.config import load_config
 from pipeline.errors import DraftsmithError
-from pipeline.stages.register import run_promote, run_register
-from pipeline.serving.settings import BUDGET_ENV, DEVICE_ENV, budget_source, serving_device
 from pipeline.serving.server import serve_invocation
+from pipeline.serving.settings import BUDGET_ENV, DEVICE_ENV, budget_source, serving_device
 from pipeline.sources import target_fingerprint
-from runtime.target.precision import float_dtype
+from pipeline.stages.register import run_promote, run_register
 from runtime.bundle_reader import BundleError
+from runtime.target.precision import float_dtype
 
 def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int, dtype=torch.float32) -> list[str]:
     """Reference answers: the target alone, greedy, through the same chat template and stop token."""
@@ -120,10 +120,10 @@ def test_serve_refuses_an_alias_the_registry_lacks(tmp_path):
 def test_serving_runs_graphs_on_a_gpu_and_the_bundle_as_calibrated_on_the_cpu(tmp_path, tiny_chat_target,
                                                                                monkeypatch):
     from export.bundle_writer import write_bundle
-    from runtime.speculation.draft_budget import DraftBudget
     from runtime.bundle_reader import read_bundle
-    from runtime.target.loading import from_pretrained
     from runtime.serving.served_engine import served_engine
+    from runtime.speculation.draft_budget import DraftBudget
+    from runtime.target.loading import from_pretrained
 
     chosen = {"depth": 2, "width": 3, "nodes": 6, "adaptive": False, "lookup": 8, "max_tree": 0}
     (tmp_path / "draft_budget.json").write_text(json.dumps({"chosen": chosen, "sweep": []}))

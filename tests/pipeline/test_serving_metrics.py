@@ -9,8 +9,8 @@ import logging
 import httpx
 import openai
 import pytest
-from support.helpers import run_concurrently
 from pipeline.bench.openai_stream import running, served_ngram
+from support.helpers import run_concurrently
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import DraftsmithError

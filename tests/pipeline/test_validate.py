@@ -4,17 +4,17 @@ import json
 import pytest
 import torch
 
-from support.helpers import run_stage_on
+from pipeline.cli import _bench_prompts
 from pipeline.config import Config
 from pipeline.errors import DraftsmithError
-from pipeline.stages.export import run_export
-from pipeline.cli import _bench_prompts
 from pipeline.home import digest_json, sha256_file
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
+from pipeline.stages.export import run_export
 from pipeline.stages.validate import (ACCEPTANCE_PNG, PROMPTS_JSONL, REPORT_JSON, REPORT_MD, SPEEDUP_PNG, run_validate,
                                time_methods)
 from runtime.bundle_reader import MANIFEST, BundleError
+from support.helpers import run_stage_on
 from train.data import TokenizedSet
 
 PROMPT_TOKENS = 12

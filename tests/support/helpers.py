@@ -15,9 +15,9 @@ from pipeline.runstore import RunStore
 from pipeline.stages.context import StageContext
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Transformer
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.model import Transformer
 from train.data import TokenizedSet
 
 

@@ -4,19 +4,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from support.helpers import self_distilled_rows
 from export.bundle_writer import write_bundle
 from runtime.bundle_reader import read_bundle
-from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters import DRAFT_VOCAB, build_drafter
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tau_probe import TauProbe
+from runtime.target.loading import from_pretrained
+from support.helpers import self_distilled_rows
+from train.batches import Batches
 from train.recipes import eagle as eagle_recipe
 from train.recipes import medusa as medusa_recipe
-from train.batches import Batches
 from train.spec import TrainSpec
 from train.trainer import train
 

@@ -6,13 +6,13 @@ import sys
 import pytest
 import torch
 
-from train.batch_generate import BatchGenerator, Request
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
-from train.recipes import eagle as eagle_recipe
+from runtime.target.loading import from_pretrained
+from train.batch_generate import BatchGenerator, Request
 from train.batches import Batches
 from train.data import TokenizedSet
+from train.recipes import eagle as eagle_recipe
 from train.regenerate import RegenSettings, cache_features, regenerate
 from train.shards import done_keys, load_features, merge_shards, save_features
 

@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import train.checkpoint as checkpoint
 from runtime.target import precision
 from runtime.target.precision import bf16_is_fast, use_bf16
 from train.batches import Batches, shard_rows
-from train.data import TokenizedSet
-from train.losses import cross_entropy, topk_accuracy
 from train.checkpoint import latest_checkpoint, load_weights
+import train.checkpoint as checkpoint
+from train.data import TokenizedSet
 from train.distributed import deepspeed_config, launch_local
+from train.losses import cross_entropy, topk_accuracy
 from train.spec import TrainSpec
 from train.trainer import lr_at, mlflow_logger, train
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from support.helpers import self_distilled_rows
 from runtime.target.loading import from_pretrained
-from train.recipes import eagle as eagle_recipe
+from support.helpers import self_distilled_rows
 from train import target_outputs
+from train.recipes import eagle as eagle_recipe
 from train.recipes.eagle import eagle_loss, simulated_chain
 from train.ttt import unroll
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle import EagleModel
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.shared.eagle_drafting import EagleBase
 from runtime.target.model import Transformer
 from train.losses import cross_entropy_to, feature_regression

@@ -4,8 +4,8 @@ target's distribution over the draft vocabulary (forward KL up to a constant), u
 regression. The head (final norm and lm_head rows) trains with the layer."""
 from __future__ import annotations
 
-from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.eagle3 import Eagle3Model, aux_layers
+from runtime.drafters.shared.draft_head import DraftHead
 from train.recipes import Recipe
 from train.recipes.eagle import eagle_loss, simulated_chain
 

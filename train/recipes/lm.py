@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.target.cpu_packing import Linear
 from runtime.drafters.shared.draft_head import DraftHead
-from runtime.target.model import Transformer
+from runtime.target.cpu_packing import Linear
 from runtime.target.loading import from_pretrained
+from runtime.target.model import Transformer
 from train.losses import KD_DISTANCES
 from train.recipes import LossFn, Recipe
 from train.target_outputs import target_features, top1

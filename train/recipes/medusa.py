@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.medusa import MedusaConfig, MedusaHeads
+from runtime.drafters.shared.draft_head import DraftHead
 from runtime.target.model import Transformer
 from train.losses import soft_cross_entropy
 from train.recipes import LossFn, Recipe

@@ -14,9 +14,9 @@ from torch import Tensor
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import BatchDrafter
 from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_trees, tree_probs
-from runtime.target.attention import attention_mask
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import attention_mask
 
 
 class BatchEagle(BatchDrafter):

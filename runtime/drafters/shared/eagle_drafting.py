@@ -13,18 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.drafters.shared.eagle_batch import BatchEagle
-from runtime.speculation.draft_budget import DraftBudget
-from runtime.target.cpu_packing import pack_for_cpu
 from runtime.drafters.shared.draft_head import DraftHead
+from runtime.drafters.shared.eagle_batch import BatchEagle
+from runtime.drafters.shared.eagle_static import StaticEagleTree
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.dynamic_tree import TreeSlots, grow_tree, tree_probs
-from runtime.target.kv_cache import KVCache
-from runtime.target.attention import attention_mask, causal_mask
-from runtime.target.model import ForwardOutput, ModelConfig, NoCache, rope_tables
 from runtime.speculation.sampling import SamplingParams
-from runtime.drafters.shared.eagle_static import StaticEagleTree
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import attention_mask, causal_mask
+from runtime.target.cpu_packing import pack_for_cpu
+from runtime.target.kv_cache import KVCache
+from runtime.target.model import ForwardOutput, ModelConfig, NoCache, rope_tables
 
 
 class EagleBase(nn.Module):

@@ -24,9 +24,9 @@ import torch
 from runtime.speculation.cuda_graphs import BUCKETS, bucket_for, capture, check_static_inputs, compile_step, key_span, require_cuda
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.dynamic_tree import tree_probs
-from runtime.target.kv_cache import KVCache
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.kv_cache import KVCache
 
 GREEDY = SamplingParams()
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

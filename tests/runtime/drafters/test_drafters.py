@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from support.helpers import perturbed
 from runtime.drafters.shared.draft_head import DraftHead, frequent_token_ids
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree
-from runtime.drafters.shared.eagle_drafting import EagleDrafter
-from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
+from runtime.target.loading import from_pretrained
+from support.helpers import perturbed
 from train.recipes.eagle import build_eagle
 from train.recipes.medusa import build_medusa
 

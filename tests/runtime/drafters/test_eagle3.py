@@ -9,22 +9,22 @@ import torch
 
 from export.bundle_writer import write_bundle
 from export.calibrate.replay import ReplayTarget, reference, replay
-from support.helpers import perturbed, self_distilled_rows
-from runtime.speculation.draft_budget import DraftBudget
 from runtime.bundle_reader import BundleError, read_bundle
-from train.batch_generate import BatchGenerator, Request
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
 from runtime.drafters.eagle3 import Eagle3Model, aux_layers
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Taps, Transformer
-from runtime.target.loading import from_pretrained
-from runtime.speculation.sampling import SamplingParams
 from runtime.drafters.shared.eagle_static import StaticEagleTree
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.loading import from_pretrained
+from runtime.target.model import Taps, Transformer
+from support.helpers import perturbed, self_distilled_rows
+from train.batch_generate import BatchGenerator, Request
 from train.batches import Batches
 from train.recipes import get_recipe
-from train.target_outputs import target_features
 from train.spec import TrainSpec
+from train.target_outputs import target_features
 from train.trainer import train
 from train.ttt import unroll
 
@@ -234,12 +234,12 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
     import json
 
     from export.calibrate.stage import CalibrateSettings, run_calibrate
-    from support.helpers import run_stage_on
     from pipeline.config import Config
+    from pipeline.runstore import RunStore, StageResult
     from pipeline.stages.distill import run_distill
     from pipeline.stages.export import run_export
-    from pipeline.runstore import RunStore, StageResult
     from pipeline.stages.validate import REPORT_JSON, run_validate
+    from support.helpers import run_stage_on
     from train.shards import save_features
 
     cfg = Config.model_validate({

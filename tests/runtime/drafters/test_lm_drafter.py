@@ -7,31 +7,31 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from support.helpers import perturbed, run_stage_on, self_distilled_rows
 from export.bundle_writer import write_bundle
 from export.onnx_export import ONNX_FILE, check_onnx_parity, example_inputs, export_onnx
 from pipeline.config import Config
-from pipeline.stages.distill import build, run_distill
 from pipeline.errors import DraftsmithError
-from pipeline.stages.export import run_export
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import target_fingerprint
 from pipeline.stages.context import StageContext
+from pipeline.stages.distill import build, run_distill
+from pipeline.stages.export import run_export
 from pipeline.stages.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
-from runtime.target.attention import SpecAttnConfig
 from runtime.bundle_reader import LOOKUP_CORPUS, SPECATTN, read_bundle
-from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.drafters import build_drafter, drafter_config, drafter_tensors
-from runtime.speculation.engine import Engine, EngineConfig
 from runtime.drafters.lm import LMDrafter
+from runtime.drafters.ngram import answer_spans
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.attention import SpecAttnConfig
+from runtime.target.loading import from_pretrained
 from runtime.target.loading import hf_causal_lm, hf_config, hf_state_dict
 from runtime.target.model import Transformer
-from runtime.target.loading import from_pretrained
-from runtime.drafters.ngram import answer_spans
-from runtime.speculation.sampling import SamplingParams
-from train.recipes import lm as lm_recipe
+from support.helpers import perturbed, run_stage_on, self_distilled_rows
 from train.batches import Batches
 from train.losses import KD_DISTANCES
+from train.recipes import lm as lm_recipe
 from train.spec import TrainSpec
 from train.trainer import train
 

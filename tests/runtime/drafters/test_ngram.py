@@ -3,9 +3,9 @@ import random
 import pytest
 import torch
 
+from runtime.drafters.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
-from runtime.drafters.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
 from runtime.speculation.sampling import SamplingParams
 
 GREEDY = SamplingParams()

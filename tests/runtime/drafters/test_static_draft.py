@@ -4,13 +4,13 @@ tau."""
 import pytest
 import torch
 
-from support.helpers import perturbed
-from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.loading import from_pretrained
-from runtime.speculation.sampling import SamplingParams
 from runtime.drafters.shared.eagle_static import StaticEagleTree
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.loading import from_pretrained
+from support.helpers import perturbed
 from train.recipes.eagle import build_eagle
 
 

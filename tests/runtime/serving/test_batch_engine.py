@@ -7,20 +7,20 @@ import pytest
 import torch
 from support.helpers import NoisyOracle, assert_three_tokens_follow_the_target, perturbed
 
-from runtime.target.attention import SpecAttnConfig
-from runtime.serving.budget_tuner import batch_sizes, measure_policy
-from runtime.serving.batch_engine import BatchEngine, BatchRequest
-from runtime.speculation.draft_budget import BatchPolicy, DraftBudget, ServedBudget
 from runtime.drafters.eagle3 import Eagle3Model, aux_layers
-from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.medusa import MedusaDrafter
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Transformer
-from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
-from runtime.speculation.sampling import SamplingParams
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.serving.batch_engine import BatchEngine, BatchRequest
+from runtime.serving.budget_tuner import batch_sizes, measure_policy
 from runtime.serving.served_engine import smaller_budgets
+from runtime.speculation.draft_budget import BatchPolicy, DraftBudget, ServedBudget
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target.attention import SpecAttnConfig
+from runtime.target.loading import from_pretrained
+from runtime.target.model import Transformer
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 from train.recipes.medusa import build_medusa

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from runtime.speculation.draft_budget import DraftBudget, ServedBudget
-from runtime.serving.budget_tuner import choose_on_device, describe, fastest_of, ms_per_step, tokens_per_s
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.serving.budget_tuner import choose_on_device, describe, fastest_of, ms_per_step, tokens_per_s
+from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.loading import from_pretrained
 from train.recipes.eagle import build_eagle

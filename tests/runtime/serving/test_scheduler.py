@@ -6,11 +6,11 @@ import time
 import pytest
 from support.helpers import run_concurrently
 
+from runtime.drafters.ngram import NgramDrafter
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
+from runtime.serving.scheduler import QueueFull, RequestTimedOut, Scheduler, SchedulerError
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.loading import from_pretrained
-from runtime.drafters.ngram import NgramDrafter
-from runtime.serving.scheduler import QueueFull, RequestTimedOut, Scheduler, SchedulerError
 
 PROMPTS = [[5, 17, 33, 5, 17, 42, 8], [1, 2, 3, 4, 5, 6], [9, 9, 8, 7], [40, 41, 40, 41, 40], [3], [7, 70, 7, 12]]
 

@@ -5,14 +5,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from support.helpers import perturbed
 from pipeline.bench.graphed_decoder import GraphedGreedyDecoder
-from runtime.target import cpu_packing
-from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
+from runtime.target import cpu_packing
+from runtime.target.loading import from_pretrained
+from support.helpers import perturbed
 from train.recipes.eagle import build_eagle
 
 

@@ -9,17 +9,17 @@ import pytest
 import torch
 from support.helpers import assert_three_tokens_follow_the_target, perturbed
 
-import runtime.speculation.engine as engine_module
-import runtime.speculation.verify as verify_module
-from runtime.speculation.draft_budget import DraftBudget
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.medusa import MedusaDrafter
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Transformer
-from runtime.target.loading import from_pretrained
+import runtime.speculation.engine as engine_module
 from runtime.speculation.sampling import SamplingParams, sample, warp
 from runtime.speculation.verify import Verdict
+import runtime.speculation.verify as verify_module
+from runtime.target.loading import from_pretrained
+from runtime.target.model import Transformer
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm
 from train.recipes.medusa import build_medusa

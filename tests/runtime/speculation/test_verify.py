@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-import runtime.speculation.verify as verify_module
-from support.helpers import assert_first_tokens_match, chi_square, chi_square_critical
 from runtime.speculation.sampling import SamplingParams, sample, warp
 from runtime.speculation.tree import DraftTree
 from runtime.speculation.verify import Verdict, draw_children, verify, verify_greedy, verify_sampling
+import runtime.speculation.verify as verify_module
+from support.helpers import assert_first_tokens_match, chi_square, chi_square_critical
 
 GREEDY = SamplingParams()
 V = 6

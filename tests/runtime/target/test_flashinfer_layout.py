@@ -6,13 +6,13 @@ results on the tensors the runtime passes."""
 import pytest
 import torch
 
-from pipeline.bench.flashinfer_check import random_tree_mask
-from runtime.target.attention.flashinfer import PAGE, FlashInferBackend, paged_view, sparse_blocks
 from kernels.sparse_attention import sparse_attention_torch
-from runtime.target.attention import BACKEND_ENV, BACKENDS
+from pipeline.bench.flashinfer_check import random_tree_mask
+from pipeline.bench.random_weights import ReplayDrafter
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.engine import Engine, EngineConfig
-from pipeline.bench.random_weights import ReplayDrafter
+from runtime.target.attention import BACKEND_ENV, BACKENDS
+from runtime.target.attention.flashinfer import PAGE, FlashInferBackend, paged_view, sparse_blocks
 from runtime.target.kv_cache import KVCache
 from runtime.target.loading import from_pretrained
 from support.torch_flashinfer import TorchFlashInfer, unpage

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from pipeline.errors import DraftsmithError
+from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.attention import BACKENDS, Causal, attention_mask, causal_mask
 from runtime.target.cpu_packing import Linear, prefill_products
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import context_error
 from runtime.target.loading import from_pretrained
+from runtime.target.model import context_error
 
 
 @pytest.mark.parametrize("prefix", [0, 9])

@@ -3,12 +3,12 @@ import json
 import pytest
 import torch
 
-from runtime.target.attention import attention_mask
-from runtime.target.kv_cache import KVCache
-from runtime.target.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
-from runtime.target.model import ModelConfig, RMSNorm, Taps, Transformer
-from runtime.target.loading import from_pretrained
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import attention_mask
+from runtime.target.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
+from runtime.target.kv_cache import KVCache
+from runtime.target.loading import from_pretrained
+from runtime.target.model import ModelConfig, RMSNorm, Taps, Transformer
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)

@@ -12,13 +12,13 @@ import pytest
 import torch
 from support.helpers import NoisyOracle, perturbed
 
-from runtime.speculation.draft_budget import DraftBudget
-from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.drafters.lm import LMDrafter
-from runtime.speculation.engine import Engine, EngineConfig
-from runtime.target.model import Transformer
-from runtime.target.loading import from_pretrained
 from runtime.drafters.ngram import NgramDrafter
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
+from runtime.speculation.draft_budget import DraftBudget
+from runtime.speculation.engine import Engine, EngineConfig
+from runtime.target.loading import from_pretrained
+from runtime.target.model import Transformer
 from runtime.target.quant_kv_cache import SCHEMES, QuantizedKVCache
 from train.recipes.eagle import build_eagle
 from train.recipes.lm import build_lm

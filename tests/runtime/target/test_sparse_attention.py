@@ -7,18 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-import runtime.target.attention.triton_sparse
-from support.helpers import run_in_triton_interpreter
-from runtime.target.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
+from runtime.drafters.lm import LMDrafter
+from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
-from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.speculation.engine import Engine, EngineConfig
-from runtime.drafters.lm import LMDrafter
-from runtime.target.model import Taps
-from runtime.target.loading import from_pretrained
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
+import runtime.target.attention.triton_sparse
+from runtime.target.loading import from_pretrained
+from runtime.target.model import Taps
+from support.helpers import run_in_triton_interpreter
 from train.recipes import eagle as eagle_recipe
 from train.recipes import lm as lm_recipe
 

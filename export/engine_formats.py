@@ -1,6 +1,6 @@
 """Write a drafter in the layouts serving engines load: each kind says which layouts can express it
-(runtime.speculation.drafter.DrafterKind.engine_exports), and each is written here as config.json + model.safetensors + its
-other files, refused when its tensor names differ from those the engine's loader maps."""
+(runtime.speculation.drafter.DrafterKind.engine_exports), and each is written here as config.json + model.safetensors +
+its other files, refused when its tensor names differ from those the engine's loader maps."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,8 @@
 """Export a drafter's cache-free step to ONNX (torch's dynamo exporter) and check it against onnxruntime.
 
 The exported step is what a serving stack without our runtime needs to draft; each kind names its inputs and
-outputs (runtime.speculation.drafter.DrafterKind.onnx_inputs/onnx_outputs) and builds the step (onnx_step). Batch and sequence
-axes are dynamic; weights are stored inside the one .onnx file so the bundle's sha256 of that file covers them.
+outputs (runtime.speculation.drafter.DrafterKind.onnx_inputs/onnx_outputs) and builds the step (onnx_step). Batch and
+sequence axes are dynamic; weights are stored inside the one .onnx file so the bundle's sha256 of that file covers them.
 """
 from __future__ import annotations
 

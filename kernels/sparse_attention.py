@@ -9,8 +9,8 @@ each split keeps its own softmax statistics, combined afterwards), since one kv 
 of a GPU idle.
 
 `sparse_attention_torch` is the reference (torch SDPA over the same allowed keys). Shapes as
-runtime.target.attention.AttentionBackend: q [B, H, T, D], keys/values [B, Hkv, S, D] (a slice of a longer cache is fine),
-mask [B, 1, T, S] bool or None, keep [B, Hkv, 1|T, S] bool.
+runtime.target.attention.AttentionBackend: q [B, H, T, D], keys/values [B, Hkv, S, D] (a slice of a longer cache is
+fine), mask [B, 1, T, S] bool or None, keep [B, Hkv, 1|T, S] bool.
 """
 from __future__ import annotations
 

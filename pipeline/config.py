@@ -117,7 +117,8 @@ class GateCfg(Section):
 
 class ValidateCfg(Section):
     # the target and drafter while validating (and while calibrate times draft budgets); auto: bf16 where it is
-    # fast, as serving would run. Our decode is then lossless too (runtime.target.attention.exact_dtype); HF runs in it too
+    # fast, as serving would run. Our decode is then lossless too (runtime.target.attention.exact_dtype); HF runs
+    # in it too
     precision: Literal[PRECISIONS] = "auto"
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(128, ge=1)

@@ -2,8 +2,8 @@
 
 `batch_size` rows of one static KV cache decode together; a finished row is refilled with the next request at
 once (prefilled alone through `KVCache.row`), so one long answer never holds the batch back; once no request waits,
-the busy rows are packed together and a step decodes only them. With `keep_hidden` every completion carries the target's final hidden state at every position of prompt +
-answer: the features drafters train on, at no extra target forwards.
+the busy rows are packed together and a step decodes only them. With `keep_hidden` every completion carries the target's
+final hidden state at every position of prompt + answer: the features drafters train on, at no extra target forwards.
 
 A request that `continues` the completion just returned (the next turn of a conversation, whose prompt is the
 previous prompt + answer + a new user turn) goes into that completion's row and keeps its KV cache for the prefix

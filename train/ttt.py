@@ -24,7 +24,8 @@ MAX_SCORES = 1 << 26  # ChainKV.attend's fp32 score tensor, 256 MB at most (the 
 
 class ChainKV:
     """KVCache stand-in for the unroll: each depth's keys are appended out of place (autograd-safe), and its
-    attention (`attend`, which runtime.target.model.Attention calls in place of the backend) uses the mask's structure."""
+    attention (`attend`, which runtime.target.model.Attention calls in place of the backend) uses the mask's
+    structure."""
 
     def __init__(self):
         self.k: Tensor | None = None

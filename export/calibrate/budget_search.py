@@ -4,9 +4,9 @@ How big a tree pays depends on the drafter's acceptance and on what the hardware
 a deeper draft: on a 2-core CPU a wide verify costs well over a one-token decode, so a drafter accepting half its
 nodes per depth is fastest with a small tree, and slower than plain decoding with a wide one. The fastest budget
 that clears validate's gate (tau and speedup) becomes draft_budget.json, which export ships and validate and serving
-read (runtime.serving.served_engine). Both floors matter: the fastest budget on the CPU is often a one-token chain, whose tau (at
-most 2) may fall below gate.min_tau when a larger tree's would not, and for a weak drafter the only tree whose tau
-clears the floor with room to spare may be slower than plain decoding.
+read (runtime.serving.served_engine). Both floors matter: the fastest budget on the CPU is often a one-token chain,
+whose tau (at most 2) may fall below gate.min_tau when a larger tree's would not, and for a weak drafter the only tree
+whose tau clears the floor with room to spare may be slower than plain decoding.
 
 Each tree is also tried with the n-gram lookup branch (EngineConfig.lookup): a target that repeats itself or its
 prompt gets those nodes accepted whatever the drafter proposed, and the timing says whether the wider verify pays.

@@ -150,8 +150,8 @@ def graph_methods(methods: dict[str, Method], target: Transformer, cfg: EngineCo
                   drafter: Callable[[], Drafter] | None, max_new_tokens: int, params: SamplingParams,
                   stops: tuple[int, ...], compiled: bool = False) -> list[str]:
     """Add the CUDA-graph rows to `methods`: `ours_ar_graph` (greedy decode, the one-token step one graph replay;
-    runtime.speculation.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every verify
-    size a graph: EngineConfig.static_verify). With `compiled`, both again as `..._compiled`, each step fused by
+    runtime.speculation.cuda_graphs) and, given a drafter, `ours_spec_graph` (the same speculative engine with every
+    verify size a graph: EngineConfig.static_verify). With `compiled`, both again as `..._compiled`, each step fused by
     torch.compile before capture (EngineConfig.compile_static); they compile during measure's warm-up. Returns
     notes on the rows: why one was left out or differs."""
     from pipeline.bench.graphed_decoder import GraphedGreedyDecoder

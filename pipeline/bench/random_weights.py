@@ -2,8 +2,8 @@
 
 No checkpoint is needed, so it runs where no weights can be carried (the lent GPU machine has no network): our
 Transformer is built from a named config with random weights, the HF LlamaForCausalLM from the same config gets
-the same weights (runtime.target.loading.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same random
-prompts:
+the same weights (runtime.target.loading.hf_state_dict), and the same pipeline.bench.harness.measure times, on the same
+random prompts:
   hf_generate     HF transformers `generate`, greedy (DynamicCache, sdpa attention)
   ours_ar         our Engine without a drafter (eager PyTorch)
   ours_ar_graph   our greedy decode with the one-token step captured in a CUDA graph (runtime.speculation.cuda_graphs)

@@ -71,8 +71,8 @@ def serving_device():
 
 def budget_source(device) -> str:
     """$DRAFTSMITH_BUDGET: `calibrated` serves the budget calibrate chose by CPU speed, `device` times the bundle's
-    device candidates here and serves the fastest (runtime.serving.budget_tuner); default: device on CUDA, where the CPU's
-    choice is too small, calibrated on the CPU."""
+    device candidates here and serves the fastest (runtime.serving.budget_tuner); default: device on CUDA, where the
+    CPU's choice is too small, calibrated on the CPU."""
     name = os.environ.get(BUDGET_ENV) or ("device" if device.type == "cuda" else "calibrated")
     if name not in BUDGET_SOURCES:
         raise DraftsmithError(f"${BUDGET_ENV}={name!r}: expected one of {', '.join(BUDGET_SOURCES)}")

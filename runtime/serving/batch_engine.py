@@ -15,9 +15,9 @@ does.
 A request is prefilled alone in a free row (KVCache.row) when it joins; a finished row frees its slot at once, and
 before each step the busy rows are packed together so the step computes only them. Full-precision KV and dense
 verification: a quantised history and SpecAttn keep one boundary or key selection per sequence, which a batch does
-not share (runtime.serving.served_engine drops them for its batched engine, and says so). With EngineConfig.static_verify a step
-of one row verifies at static shapes as Engine's do (a CUDA graph on a GPU) and each row drafts with its own
-drafter's static steps; a step of several rows runs eagerly.
+not share (runtime.serving.served_engine drops them for its batched engine, and says so). With
+EngineConfig.static_verify a step of one row verifies at static shapes as Engine's do (a CUDA graph on a GPU) and each
+row drafts with its own drafter's static steps; a step of several rows runs eagerly.
 """
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ def static_verify_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
 
 
 def batch_config(cfg: EngineConfig) -> tuple[EngineConfig, str]:
-    """The batched engine's config (runtime.serving.batch_engine: full-precision KV, dense verification), and a note naming
-    what it drops from `cfg`."""
+    """The batched engine's config (runtime.serving.batch_engine: full-precision KV, dense verification), and a note
+    naming what it drops from `cfg`."""
     dropped = [what for what, on in (("the quantised KV cache", cfg.kv_scheme), ("SpecAttn", cfg.sparse)) if on]
     note = f"batched rows run without {' and '.join(dropped)}: one boundary or key selection per sequence " \
            "is not shared by a batch" if dropped else ""

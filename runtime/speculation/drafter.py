@@ -53,18 +53,20 @@ class Drafter(abc.ABC):
     def draft_attention(self) -> torch.Tensor | None:
         """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as
         non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix]; None
-        after a commit or while track_attention is off. Drafters without attention return None (the default), and verification stays dense."""
+        after a commit or while track_attention is off. Drafters without attention return None (the default), and
+        verification stays dense."""
         return None
 
     def batched(self, rows: int) -> "BatchDrafter | None":
         """This drafter's kind drafting `rows` sequences at once, each row's draft forwards run together (a fresh
-        state, this drafter's weights); None (the default): runtime.drafters.shared.batch_drafter keeps one drafter per row."""
+        state, this drafter's weights); None (the default): runtime.drafters.shared.batch_drafter keeps one drafter per
+        row."""
         return None
 
 
 class BatchDrafter(abc.ABC):
-    """Drafts for the rows of a batch (runtime.serving.batch_engine): row r's sequence bookkeeping is a Drafter's (reset,
-    propose, commit), and `move` follows the engine when it packs its busy rows together."""
+    """Drafts for the rows of a batch (runtime.serving.batch_engine): row r's sequence bookkeeping is a Drafter's
+    (reset, propose, commit), and `move` follows the engine when it packs its busy rows together."""
 
     vocab_size: int
     needs_features: bool = False

@@ -27,18 +27,20 @@ class EngineConfig:
     sparse: SpecAttnConfig | None = None  # SpecAttn sparse verification; None: dense
     kv_scheme: str | None = None  # quantised KV history (runtime.target.quant_kv_cache): int8 | int4 | hier-int4
     kv_recent: int = 64  # newest committed tokens kept in full precision when kv_scheme is set
-    # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target (runtime.speculation.cuda_graphs.StaticVerifier;
-    # off CUDA the static step runs eagerly, reading the whole cache: for tests), and an EAGLE drafter's greedy trees
-    # likewise (runtime.drafters.shared.eagle_static; not while SpecAttn needs its attention). Full-precision KV only.
+    # verify at bucketed static shapes, each bucket a CUDA graph on a CUDA target
+    # (runtime.speculation.cuda_graphs.StaticVerifier; off CUDA the static step runs eagerly, reading the whole cache:
+    # for tests), and an EAGLE drafter's greedy trees likewise (runtime.drafters.shared.eagle_static; not while SpecAttn
+    # needs its attention). Full-precision KV only.
     static_verify: bool = False
-    # fuse each static step's kernels with torch.compile (inductor) before it is captured (runtime.speculation.cuda_graphs.
-    # compile_step): fewer launches a step where launches bound it; needs static_verify
+    # fuse each static step's kernels with torch.compile (inductor) before it is captured
+    # (runtime.speculation.cuda_graphs.compile_step): fewer launches a step where launches bound it; needs static_verify
     compile_static: bool = False
-    # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.drafters.ngram) are
-    # merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
+    # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.drafters.ngram)
+    # are merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
     lookup: int = 0
     # greedy only: where the sequence has no match, the lookup branch continues a match in this frozen trie
-    # (runtime.drafters.ngram.NgramDrafter.corpus; a bundle's lookup corpus: the target's own answers to training prompts)
+    # (runtime.drafters.ngram.NgramDrafter.corpus; a bundle's lookup corpus: the target's own answers to
+    # training prompts)
     lookup_corpus: NgramDrafter | None = field(default=None, compare=False, repr=False)
     # greedy only: most nodes a verify holds, the drafter's and the lookup's together, keeping the likeliest
     # (DraftTree.best); 0: no limit. Where a verify's cost grows in steps (our CPU kernel's 6-row tiles), a tree

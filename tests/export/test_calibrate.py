@@ -404,7 +404,8 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
             for t in range(40):
                 one_by_one.append(target(ids[None, t:t + 1], cache, torch.tensor([[t]])).logits)
                 cache.advance(1)
-        # the tolerance covers fp32 kernels that differ by row count (runtime.target.cpu_packing.Linear), not a misread history
+        # the tolerance covers fp32 kernels that differ by row count (runtime.target.cpu_packing.Linear), not a
+        # misread history
         torch.testing.assert_close(nll, F.cross_entropy(torch.cat(one_by_one, 1)[0, :-1].float(), ids[1:],
                                                     reduction="none"), atol=1e-4, rtol=1e-5)
         errors[scheme] = (nll - dense).abs().mean()

@@ -1,8 +1,10 @@
-"""An EAGLE drafter's greedy draft trees at static shapes: on a CUDA drafter, each propose is one CUDA graph replay
+"""An EAGLE drafter's greedy draft trees at static shapes: on a CUDA drafter, each propose is one CUDA graph replay.
+
 An eager propose costs about as much as the graphed verify on a GPU (docs/logs/gpu-2026-11.md,
 "2026-11-26: the default eagle bundle on the real target"): Python, a few dozen kernel
-launches and host reads for a drafter of one block. Captured, the whole propose is one launch with no host read: the committed pairs' causal step, then per
-depth the draft head's top-`width` children of the nodes it expands and those nodes' own step.
+launches and host reads for a drafter of one block. Captured, the whole propose is one launch with no host read: the
+committed pairs' causal step, then per depth the draft head's top-`width` children of the nodes it expands and those
+nodes' own step.
 
 Same tree as EagleDrafter.propose under greedy (runtime.speculation.dynamic_tree.grow_tree, EAGLE-2), at static shapes:
 - the pending pairs are padded to a bucket; padding rows write KV after the real ones, where the tree's own writes
@@ -11,9 +13,10 @@ Same tree as EagleDrafter.propose under greedy (runtime.speculation.dynamic_tree
   score (stable order on ties: the eager sort's) are expanded in one step and each draws its top `width`; then the
   best `nodes` of all candidates are kept, parents before children. A chain is width 1;
 - the expanded nodes sit at the slots after the root's position n, in expansion order, at position n + depth, and
-  see the committed prefix, their expanded ancestors and themselves: where runtime.speculation.dynamic_tree.TreeSlots puts them;
-- attention reads the key span that holds the step's slots (runtime.speculation.cuda_graphs.key_span) with a mask; scores are
-  summed in float64 as the eager tree's are.
+  see the committed prefix, their expanded ancestors and themselves: where runtime.speculation.dynamic_tree.TreeSlots
+  puts them;
+- attention reads the key span that holds the step's slots (runtime.speculation.cuda_graphs.key_span) with a mask;
+  scores are summed in float64 as the eager tree's are.
 Graphs are keyed by (bucket, budget, span); off CUDA (`use_graph=False`) the same static step runs eagerly, for tests.
 `compile` fuses the step first (runtime.speculation.cuda_graphs.compile_step).
 """
@@ -40,7 +43,8 @@ def tree_slots(budget: DraftBudget) -> int:
 class StaticEagleTree:
     def __init__(self, model, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, use_graph: bool = True,
                  warmup: int = 2, compile: bool = False):
-        """`model`: an EAGLE model (runtime.drafters.shared.eagle_drafting.EagleBase); `cache`: its KV cache (batch 1, full precision)."""
+        """`model`: an EAGLE model (runtime.drafters.shared.eagle_drafting.EagleBase); `cache`: its KV cache (batch 1,
+        full precision)."""
         device = model.fc.weight.device
         require_cuda(device, use_graph, "drafter")
         check_static_inputs("StaticEagleTree", cache, buckets)

@@ -1,6 +1,6 @@
-"""The EAGLE drafter's greedy trees at static shapes (runtime/drafters/shared/eagle_static.py, captured as CUDA graphs on a GPU),
-run eagerly here: the same trees, scores and cache as the eager propose, and through the Engine the same tokens and
-tau."""
+"""The EAGLE drafter's greedy trees at static shapes (runtime/drafters/shared/eagle_static.py, captured as CUDA graphs
+on a GPU), run eagerly here: the same trees, scores and cache as the eager propose, and through the Engine the same
+tokens and tau."""
 import pytest
 import torch
 

@@ -1,5 +1,5 @@
-"""Choosing the draft budget on the serving device (runtime/serving/budget_tuner.py): each candidate's step timed through
-the engine as serving configures it, the most tokens/s (calibrated tau / ms a step) kept."""
+"""Choosing the draft budget on the serving device (runtime/serving/budget_tuner.py): each candidate's step timed
+through the engine as serving configures it, the most tokens/s (calibrated tau / ms a step) kept."""
 import math
 
 import pytest

@@ -1,5 +1,5 @@
-"""The static steps fused by torch.compile (EngineConfig.compile_static, runtime.speculation.cuda_graphs.compile_step), here
-through inductor's CPU backend, eagerly: the same tokens as the uncompiled static steps, and a compiled graph
+"""The static steps fused by torch.compile (EngineConfig.compile_static, runtime.speculation.cuda_graphs.compile_step),
+here through inductor's CPU backend, eagerly: the same tokens as the uncompiled static steps, and a compiled graph
 for each of the decode, verify and chain steps (not a silent fall-back to eager)."""
 import pytest
 import torch

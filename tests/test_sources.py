@@ -46,6 +46,27 @@ def test_bad_dataset_and_target_specs(tmp_path):
         resolve_target("no-such-preset")
 
 
+@pytest.mark.parametrize("config, expected", [
+    ("{}", "config.json has no model_type"),
+    ('{"model_type": "qwen2", "vocab_size": 96}',
+     "config.json of a qwen2 model lacks hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, "
+     "rms_norm_eps"),
+    ('{"model_type": "gemma3_text", "num_hidden_layers": 2}', "model_type 'gemma3_text' is not supported"),
+    ("[1, 2]", "config.json is not a JSON object"),
+    ("{not json", "config.json is not valid JSON")])
+def test_a_target_that_is_no_supported_causal_lm(tmp_path, config, expected):
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(DraftsmithError, match="supported families: llama, qwen2, qwen3, mistral$") as err:
+        resolve_target(str(tmp_path))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_file_that_is_no_gguf(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(DraftsmithError, match="not a readable GGUF file"):
+        resolve_target(str(tmp_path / "m.gguf"))
+
+
 @pytest.mark.slow
 def test_smollm2_preset_from_wheel():
     from transformers import AutoConfig, AutoTokenizer

@@ -22,6 +22,9 @@ from runtime.target.cpu_packing import Linear, pack_for_cpu, prefill_products
 from runtime.target.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# config.json fields a model of any family needs; the rest have defaults
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                   "rms_norm_eps")
 PREFILL_CHUNK = 2048  # most prompt tokens one prefill forward takes (Transformer.prefill; docs/cpu.md)
 
 
@@ -61,13 +64,24 @@ class ModelConfig:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json (expected an HF model directory)")
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        try:
+            hf = json.loads((path / "config.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path / 'config.json'} is not a JSON object")
+        return ModelConfig.from_hf(hf)
 
     @staticmethod
     def from_hf(hf: dict) -> "ModelConfig":
         arch = hf.get("model_type")
+        if arch is None:
+            raise ValueError("config.json has no model_type (expected a causal LM's HF config)")
         if arch not in ARCHITECTURES:
             raise ValueError(f"model_type {arch!r} is not supported; expected one of {ARCHITECTURES}")
+        missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json of a {arch} model lacks {', '.join(missing)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
         if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from runtime.files import read_safetensors
 from runtime.target.model import ModelConfig, Transformer, rope_tables
 
 # our fused linears -> the HF linears they hold, in the order they are stacked
@@ -55,14 +56,12 @@ def _our_layer(cfg: ModelConfig, take) -> dict[str, Tensor]:
 
 def load_hf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, Tensor]:
     """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout."""
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights")
     hf: dict[str, Tensor] = {}
     for f in files:
-        hf.update(load_file(str(f)))
+        hf.update(read_safetensors(f))  # not mapped: the fused-away and lean-packed originals really go
     hf = {k.removeprefix("model."): v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
 
     def take(name: str) -> Tensor:
@@ -175,8 +174,9 @@ def llama_layer_config(cfg: ModelConfig, dtype: torch.dtype, n_layers: int = 1) 
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
-                    device: torch.device | str = "cpu") -> Transformer:
-    """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels."""
+                    device: torch.device | str = "cpu", lean: bool = False) -> Transformer:
+    """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels; `lean`:
+    for inference only, one copy of each weight (Transformer.pack_for_cpu)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
@@ -189,4 +189,4 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
     if cfg.tie_embeddings:  # assign=True made two parameters; re-tie so the table exists (and casts) once
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)  # computed in fp32, cast with the weights
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False).pack_for_cpu()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False).pack_for_cpu(lean)

@@ -120,3 +120,16 @@ def test_qwen_coder_05b_preset_matches_transformers():
     print(f"max |ours - hf| = {(ours - ref).abs().max():.2e}, max |hf| = {ref.abs().max():.1f}")
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_a_preset_as_lm_base_resolves_to_its_converted_directory(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.config import load_config
+    from pipeline.distill import recipe_settings
+
+    cfg = load_config(overrides=["target=qwen2.5-coder-1.5b-instruct", "drafter.kind=lm",
+                                 "drafter.lm_base=qwen2.5-coder-0.5b-instruct"])
+    settings = recipe_settings(SimpleNamespace(cfg=cfg))
+    assert settings.lm_base == str(resolve_target("qwen2.5-coder-0.5b-instruct"))

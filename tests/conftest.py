@@ -71,6 +71,48 @@ def tiny_llama_dir(tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir) -> Path:
+    """Qwen2-shaped: q/k/v biases (perturbed, so they matter), 2 kv heads, a tied head."""
+    return tiny_model_dir("qwen2", tie_word_embeddings=True)
+
+
+def save_tiny_gguf(hf_dir: Path, out: Path) -> Path:
+    """The tiny HF `hf_dir` (a qwen2) written as an F32 GGUF, as llama.cpp names its tensors and fields, with a
+    byte-level tokenizer of placeholder tokens: a file our converter reads like the real presets."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n = cfg["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"t{i}" for i in range(n)])
+    w.add_token_types([1] * n)
+    w.add_token_scores([0.0] * n)  # no merges: transformers then ranks merges by score
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from pipeline.sources import resolve_target
 

@@ -7,9 +7,11 @@ is counted once (as the lm_head; the input embedding reads one row).
 """
 from __future__ import annotations
 
+import gc
 import platform
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -17,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
+from pipeline.host_memory import release_freed_memory
 from pipeline.tokens import encode, stop_ids
 from runtime.device import synchronizer
 from runtime.serving.budget_tuner import describe
@@ -79,8 +82,11 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
               print_table: bool = True, compiled: bool = False) -> dict:
     """Time HF generate, our autoregressive engine and (given `speculation`) our speculative engine on `prompts`.
     A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a CUDA device with
-    `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile).
+
+    Memory: HF's model is loaded only for its own phase, first, and freed before ours loads; ours holds one copy
+    of each weight (from_pretrained's lean) and a KV cache of the longest prompt + max_new_tokens + the draft room."""
+    from transformers import AutoTokenizer
 
     if not prompts:
         raise ValueError("run_bench: prompts is empty")
@@ -91,23 +97,34 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
     limit = fitting_context(target_dir, prompt_ids, max_new_tokens)
     max_seq_len = min(limit, max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0)
                       + 1)  # near the limit, draft trees shrink to the room left
-    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
-    with_graphs = graphs and target.device.type == "cuda"
-    served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
-    cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    methods: dict[str, Method] = {
-        "hf_generate": lambda ids, gen: (hf_generate(hf, ids, max_new_tokens, params, stops, gen), None),
-        "ours_ar": engine_method(Engine(target, None, replace(cfg, sparse=None)), max_new_tokens, params, stops)}
-    if served is not None:
-        methods["ours_spec"] = engine_method(Engine(target, served.new_drafter(), cfg), max_new_tokens, params, stops)
-    drafter = served.new_drafter if served else None
-    notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops, compiled) if with_graphs \
-        else ["compiled rows left out: they are CUDA-graph rows (a CUDA device, graphs on)"] if compiled else []
-
+    outputs: dict[str, list[list[int]]] = {}
+    # the bandwidth twice, best of two (a busy moment must not lower the bar), while no model is loaded: its
+    # buffers then add nothing to the peak
     bandwidth = copy_bandwidth(device=device)
-    results = measure(methods, prompt_ids, seed, compare_tokens=params.greedy)
-    bandwidth = max(bandwidth, copy_bandwidth(device=device))  # best of two: a busy moment must not lower the bar
+    with tqdm(total=1 + len(prompt_ids), desc="bench", unit="run") as bar:
+        results = hf_phase(target_dir, dtype, device, prompt_ids, max_new_tokens, params, stops, seed, outputs, bar)
+        bandwidth = max(bandwidth, copy_bandwidth(device=device))
+        # CUDA graphs and compiled steps read the plain weights: only the eager CPU rows run lean
+        target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device,
+                                 lean=torch.device(device).type == "cpu")
+        release_freed_memory()  # the load's buffers and the plain weights lean packing let go
+        with_graphs = graphs and target.device.type == "cuda"
+        served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
+        cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
+        methods: dict[str, Method] = {
+            "ours_ar": engine_method(Engine(target, None, replace(cfg, sparse=None)), max_new_tokens, params, stops)}
+        if served is not None:
+            methods["ours_spec"] = engine_method(Engine(target, served.new_drafter(), cfg), max_new_tokens, params,
+                                                 stops)
+        drafter = served.new_drafter if served else None
+        notes = graph_methods(methods, target, cfg, drafter, max_new_tokens, params, stops, compiled) \
+            if with_graphs else ["compiled rows left out: they are CUDA-graph rows (a CUDA device, graphs on)"] \
+            if compiled else []
+        notes.append("hf_generate timed in its own phase before ours (its model is loaded only then), not "
+                     "interleaved with our rows")
+        bar.total += len(methods) * (1 + len(prompt_ids))
+        results |= time_methods(methods, prompt_ids, seed, outputs, bar)
+    results = compare(results, outputs, compare_tokens=params.greedy)
     floor_ms = 1e3 * weight_bytes_per_token(target) / bandwidth
     report = {
         "target": str(target_dir), "drafter": speculation.label if speculation else None,
@@ -118,10 +135,30 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
         "methods": results, "notes": notes, "attention_backend": pick_backend(target.device).name,
         "budget": served.budget.spec if served else None,
         "specattn": None if cfg.sparse is None else asdict(cfg.sparse),
-        "device_budget": served.device_report if served else None}
+        "device_budget": served.device_report if served else None, "max_seq_len": max_seq_len}
     if print_table:
         print_report(report)
     return report
+
+
+def hf_phase(target_dir: str | Path, dtype: torch.dtype, device: str, prompt_ids: list[list[int]],
+             max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...], seed: int,
+             outputs: dict[str, list[list[int]]], bar: tqdm) -> dict:
+    """HF generate's row (time_methods), its model loaded only for this phase and freed after it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    methods = {"hf_generate": partial(hf_row, hf, max_new_tokens, params, stops)}
+    results = time_methods(methods, prompt_ids, seed, outputs, bar)
+    del hf, methods  # the only references: its weights go before ours load
+    gc.collect()
+    release_freed_memory()
+    return results
+
+
+def hf_row(hf, max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...], ids: list[int],
+           gen: torch.Generator) -> tuple[list[int], None]:
+    return hf_generate(hf, ids, max_new_tokens, params, stops, gen), None
 
 
 def fraction_of_floor(floor_ms: float, ar: dict) -> float | None:
@@ -206,16 +243,24 @@ def interleaved(methods: dict[str, Callable], prompts: list, seed: int, repeats:
 def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, compare_tokens: bool,
             outputs: dict[str, list[list[int]]] | None = None) -> dict:
     """Wall time and tokens of every method over all prompts, after one warm-up generation each, with a progress
-    bar on stderr. `outputs`, if given, receives every method's generated tokens per prompt."""
+    bar on stderr, compared with `hf_generate` and `ours_ar` (compare). `outputs`, if given, receives every
+    method's generated tokens per prompt."""
+    outputs = {} if outputs is None else outputs
     with tqdm(total=len(methods) * (1 + len(prompt_ids)), desc="bench", unit="run") as bar:
-        for name, run in methods.items():  # warm-up: allocator, kernels, caches
-            bar.set_postfix_str(f"{name}, warm-up")
-            run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
-            bar.update()
-        runs = list(interleaved(methods, prompt_ids, seed, progress=bar))
+        results = time_methods(methods, prompt_ids, seed, outputs, bar)
+    return compare(results, outputs, compare_tokens)
+
+
+def time_methods(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int,
+                 outputs: dict[str, list[list[int]]], bar: tqdm) -> dict:
+    """measure's timing, without the comparisons: each method's row, its tokens per prompt into `outputs`."""
+    for name, run in methods.items():  # warm-up: allocator, kernels, caches
+        bar.set_postfix_str(f"{name}, warm-up")
+        run(prompt_ids[0][:8], torch.Generator().manual_seed(seed))
+        bar.update()
+    runs = list(interleaved(methods, prompt_ids, seed, progress=bar))
     totals = {name: {"new_tokens": 0, "seconds": 0.0, "decode_s": 0.0, "forwards": 0, "draft_s": 0.0, "verify_s": 0.0,
                      "rollback_s": 0.0, "kv_saved": []} for name in methods}
-    outputs = {} if outputs is None else outputs
     outputs.update({name: [] for name in methods})
     for name, seconds, tokens, out in runs:
         t = totals[name]
@@ -240,6 +285,11 @@ def measure(methods: dict[str, Method], prompt_ids: list[list[int]], seed: int, 
                 r[f"{phase}_ms_per_forward"] = 1e3 * t[f"{phase}_s"] / t["forwards"]
             if any(t["kv_saved"]):  # SpecAttn: the share of KV reads sparse verification skipped, mean over prompts
                 r["kv_saved"] = sum(t["kv_saved"]) / len(t["kv_saved"])
+    return results
+
+
+def compare(results: dict, outputs: dict[str, list[list[int]]], compare_tokens: bool) -> dict:
+    """Every row's speed against `hf_generate` and `ours_ar`, and (greedy) whether its tokens are theirs."""
     for name, r in results.items():
         r["speedup_vs_hf"] = r["tokens_per_s"] / results["hf_generate"]["tokens_per_s"]
         r["speedup_vs_ours_ar"] = r["tokens_per_s"] / results["ours_ar"]["tokens_per_s"]

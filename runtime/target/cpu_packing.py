@@ -58,19 +58,30 @@ def prefill_products():
 
 class Packable:
     """A module whose matmul weight can carry a prepacked copy for CPU inference (`pack`). The plain weight stays:
-    training, export and embedding lookups read it, and non-CPU inputs fall back to it."""
+    training, export and embedding lookups read it, and non-CPU inputs fall back to it. `pack(lean=True)` keeps one
+    copy instead, the packed one that serves every product (inference only: the plain weight becomes a meta tensor,
+    its shape and dtype kept)."""
 
     weight: Tensor
     packed: Tensor | None = None
     panels: Tensor | None = None  # the weight packed for kernels/cpu_gemm.py, where its fp32 products of few rows run
 
-    def pack(self) -> None:
+    def pack(self, lean: bool = False, keep_plain: bool = False) -> None:
         own = OWN_FP32_KERNEL and self.weight.dtype == torch.float32 and cpu_gemm.serves(self.weight)
         self.panels = cpu_gemm.pack(self.weight) if own else None
-        # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        # the blocked layout oneDNN picks for a 16-row batch serves 1..16 rows about equally well; lean, our kernel
+        # alone serves every product where it runs (beside a kept plain weight, the rows past its limit)
+        self.packed = None if lean and own else torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        if lean and not keep_plain:
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+
+    @property
+    def lean(self) -> bool:
+        return self.weight.is_meta and (self.panels is not None or self.packed is not None)
 
     def unpack(self) -> None:
+        if self.lean:
+            raise RuntimeError("a lean Linear has no plain weight to unpack to (load it without lean)")
         self.packed = self.panels = None
 
     @property
@@ -83,17 +94,21 @@ class Packable:
                                                     and (x.requires_grad or self.weight.requires_grad))
         prefill = getattr(_prefill, "on", False)
         own_rows = PREFILL_OWN_MAX_ROWS if prefill else OWN_MAX_ROWS
-        if self.own_fp32 and inference and x.dtype == torch.float32 and x.numel() <= own_rows * x.shape[-1]:
+        lean = self.weight.is_meta  # no plain weight: the one packed copy takes every product
+        if self.own_fp32 and inference and x.dtype == torch.float32 and (lean or x.numel() <= own_rows * x.shape[-1]):
             return cpu_gemm.small_linear(x, self.panels, self.weight.shape[0], bias)
         # inductor lowers a prepacked product only for a weight it froze and packed itself: traced by torch.compile,
         # the plain product lets it choose
-        prepacked = self.packed is not None and inference and not torch.compiler.is_compiling()
+        prepacked = self.packed is not None and inference and (lean or not torch.compiler.is_compiling())
         if prepacked and x.dtype == self.packed.dtype \
-                and (x.dtype != torch.float32 or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
+                and (x.dtype != torch.float32 or lean or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
             if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1] and not prefill:
                 rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)
                 return torch.cat([self._packed(r, bias) for r in rows]).view(*x.shape[:-1], -1)
             return self._packed(x, bias)
+        if lean:
+            raise RuntimeError(f"a lean Linear (packed weights only) cannot take a {x.dtype} input on {x.device} with "
+                               f"gradients {'on' if torch.is_grad_enabled() else 'off'}: load it without lean")
         return F.linear(x, self.weight, bias)
 
     def _packed(self, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -118,10 +133,16 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_for_cpu(model: nn.Module) -> nn.Module:
+def pack_for_cpu(model: nn.Module, lean: bool = False, keep_plain: tuple[nn.Module, ...] = ()) -> nn.Module:
     """Prepack every Packable's weight; a no-op off CPU or where oneDNN cannot pack its dtype. Call it after the
-    last .to() and the last weight update: packed copies neither move nor follow the weights."""
+    last .to() and the last weight update: packed copies neither move nor follow the weights. `lean`: one copy of
+    each weight, the packed one (Packable.pack), except in `keep_plain` and where the weight is shared (a tied
+    head: its embedding lookups read it)."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    shared = {i for i, n in counts.items() if n > 1}
     for module in model.modules():
         if isinstance(module, Packable) and module.weight.device.type == "cpu" and onednn_packs(module.weight.dtype):
-            module.pack()
+            module.pack(lean, keep_plain=module in keep_plain or id(module.weight) in shared)
     return model

@@ -3,10 +3,13 @@ for HF, for engines' drafter formats and for HF models built from ours (benchmar
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from runtime.files import SafetensorsReader
+from runtime.target.cpu_packing import pack_for_cpu
 from runtime.target.model import ModelConfig, Transformer, rope_tables
 
 # our fused linears -> the HF linears they hold, in the order they are stacked
@@ -53,22 +56,21 @@ def _our_layer(cfg: ModelConfig, take) -> dict[str, Tensor]:
     return sd
 
 
-def load_hf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, Tensor]:
-    """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout."""
-    from safetensors.torch import load_file
-
+def load_hf_state_dict(path: Path, cfg: ModelConfig,
+                       place_layer: Callable[[int, dict[str, Tensor]], None] | None = None) -> dict[str, Tensor]:
+    """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout. `place_layer(i,
+    tensors)`, if given, takes each block's tensors as soon as they are read (they are then left out): a lean
+    load packs each block before the next is read."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights")
-    hf: dict[str, Tensor] = {}
-    for f in files:
-        hf.update(load_file(str(f)))
-    hf = {k.removeprefix("model."): v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    reader = SafetensorsReader(files)  # not mapped: the fused-away and lean-packed originals really go
+    hf = {k.removeprefix("model."): k for k in reader.names() if not k.endswith("rotary_emb.inv_freq")}
 
     def take(name: str) -> Tensor:
         if name not in hf:
             raise ValueError(f"{path}: weight {name!r} is missing for a {cfg.arch} model")
-        return hf.pop(name)
+        return reader.read(hf.pop(name))
 
     sd = {"tok_embeddings.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     if cfg.tie_embeddings:
@@ -78,7 +80,10 @@ def load_hf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, Tensor]:
         sd["output.weight"] = take("lm_head.weight")
     for i in range(cfg.n_layers):
         layer = _our_layer(cfg, lambda name, i=i: take(f"layers.{i}.{name}"))
-        sd |= {f"layers.{i}.{k}": v for k, v in layer.items()}
+        if place_layer is not None:
+            place_layer(i, layer)
+        else:
+            sd |= {f"layers.{i}.{k}": v for k, v in layer.items()}
     if hf:
         raise ValueError(f"{path}: unexpected weights for a {cfg.arch} model: {sorted(hf)[:5]}")
     return sd
@@ -175,8 +180,9 @@ def llama_layer_config(cfg: ModelConfig, dtype: torch.dtype, n_layers: int = 1) 
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
-                    device: torch.device | str = "cpu") -> Transformer:
-    """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels."""
+                    device: torch.device | str = "cpu", lean: bool = False) -> Transformer:
+    """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels; `lean`:
+    for inference only, one copy of each weight (Transformer.pack_for_cpu)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
@@ -185,8 +191,20 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     with torch.device("meta"):
         model = Transformer(cfg, max_seq_len)
-    model.load_state_dict(load_hf_state_dict(path, cfg), assign=True)
+
+    def place(i: int, layer: dict[str, Tensor]) -> None:  # lean: one block's plain weights at a time
+        block = model.layers[i]
+        block.load_state_dict(layer, assign=True)
+        pack_for_cpu(block.to(device=device, dtype=dtype).requires_grad_(False), lean=True)
+
+    rest = load_hf_state_dict(path, cfg, place if lean else None)
+    model.load_state_dict(rest, assign=True, strict=not lean)
     if cfg.tie_embeddings:  # assign=True made two parameters; re-tie so the table exists (and casts) once
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)  # computed in fp32, cast with the weights
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False).pack_for_cpu()
+    # lean, the blocks are in place already: their plain weights are meta tensors, which .to() cannot copy
+    for part in (model.tok_embeddings, model.norm, model.output) if lean else (model,):
+        part.to(device=device, dtype=dtype)
+    if lean:
+        model.rope_cos, model.rope_sin = (t.to(device=device, dtype=dtype) for t in (model.rope_cos, model.rope_sin))
+    return model.eval().requires_grad_(False).pack_for_cpu(lean)

@@ -23,6 +23,9 @@ from runtime.target.cpu_packing import Linear, pack_for_cpu, prefill_products
 from runtime.target.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# config.json fields a model of any family needs; the rest have defaults
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                   "rms_norm_eps")
 # most prompt tokens one prefill forward takes (Transformer.prefill); measured in
 # docs/logs/cpu-2026-11.md, "Long prompts: maskless causal prefill in chunks (2026-11-28)"
 PREFILL_CHUNK = 2048
@@ -64,13 +67,24 @@ class ModelConfig:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json (expected an HF model directory)")
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        try:
+            hf = json.loads((path / "config.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path / 'config.json'} is not a JSON object")
+        return ModelConfig.from_hf(hf)
 
     @staticmethod
     def from_hf(hf: dict) -> "ModelConfig":
         arch = hf.get("model_type")
+        if arch is None:
+            raise ValueError("config.json has no model_type (expected a causal LM's HF config)")
         if arch not in ARCHITECTURES:
             raise ValueError(f"model_type {arch!r} is not supported; expected one of {ARCHITECTURES}")
+        missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json of a {arch} model lacks {', '.join(missing)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
         if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
@@ -260,8 +274,10 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.output.weight.device
 
-    def pack_for_cpu(self) -> "Transformer":
-        return pack_for_cpu(self)
+    def pack_for_cpu(self, lean: bool = False) -> "Transformer":
+        """Prepack the matmul weights for the CPU's kernels; `lean`: inference only, one copy of each weight but the
+        head's, which drafters read (runtime.target.cpu_packing.pack_for_cpu)."""
+        return pack_for_cpu(self, lean, keep_plain=(self.output,))
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         max_len = max_len or self.max_seq_len

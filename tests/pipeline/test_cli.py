@@ -83,6 +83,37 @@ def test_regenerated_data_and_cached_features_feed_distill(tmp_path, tiny_data):
     assert metrics["offline_features"] == 1 and 1.0 <= metrics["eval_sim_tau"] <= 7.0
 
 
+def write_gguf(path, arch: str):
+    """A GGUF file of `arch` with a header and one small tensor: all a family check reads."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("empty-config", "config.json has no model_type"),
+    ("gemma3.gguf", "GGUF architecture 'gemma3' is not supported")])
+def test_a_target_that_is_no_supported_causal_lm_is_one_line(tmp_path, target, expected):
+    if target.endswith(".gguf"):
+        write_gguf(tmp_path / target, "gemma3")
+    else:
+        (tmp_path / target).mkdir()
+        (tmp_path / target / "config.json").write_text("{}")
+    res = pipeline("run", "--stage", "prepare", "--run-id", "r", f"target={tmp_path / target}", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and expected in error[0], res.stderr
+    assert error[0].endswith("supported families: llama, qwen2, qwen3, mistral")
+
+
 def test_bad_override_is_one_line(tmp_path):
     res = pipeline("run", "distill.stepz=1", cwd=tmp_path)
     assert res.returncode == 2 and "unknown key 'distill.stepz'" in res.stderr and "Traceback" not in res.stderr

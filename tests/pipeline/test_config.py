@@ -66,3 +66,16 @@ def test_shipped_configs_are_valid():
     assert (root / "default.yaml").read_text() == dump_config(Config())
     for f in root.glob("*.yaml"):
         load_config(f)
+
+
+def test_qwen_coder_config_loads_with_presets_as_target_and_lm_base():
+    from pathlib import Path
+
+    from pipeline.presets import TARGET_PRESETS
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "qwen-coder.yaml"
+    cfg = load_config(path)
+    assert cfg.target == "qwen2.5-coder-1.5b-instruct" and cfg.target in TARGET_PRESETS
+    assert cfg.data.cache_hidden and cfg.validate.num_prompts <= cfg.data.max_records * cfg.data.val_fraction
+    sibling = load_config(path, ["drafter.kind=lm", "drafter.lm_base=qwen2.5-coder-0.5b-instruct"])
+    assert sibling.drafter.lm_base in TARGET_PRESETS

@@ -247,6 +247,32 @@ def test_prepacked_cpu_weights_compute_the_plain_linear(tiny_model_dir):
     torch.testing.assert_close(packed, model(ids, model.new_cache(), ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("own_kernel", [True, False], ids=["own-fp32-kernel", "onednn"])
+def test_a_lean_model_holds_one_copy_of_each_weight_and_computes_the_same(tiny_model_dir, monkeypatch, own_kernel):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    from runtime.target import cpu_packing
+
+    if not own_kernel or cpu_packing.OWN_FP32_KERNEL:
+        monkeypatch.setattr(cpu_packing, "OWN_FP32_KERNEL", own_kernel)
+    else:
+        pytest.skip("our fp32 kernel does not run on this CPU")
+    path = tiny_model_dir("qwen2")
+    full, lean = from_pretrained(path, max_seq_len=96), from_pretrained(path, max_seq_len=96, lean=True)
+    linears = [m for name, m in lean.named_modules() if isinstance(m, Linear) and name != "output"]
+    assert all(m.weight.is_meta and (m.panels is None) != (m.packed is None) for m in linears)  # one copy each
+    assert not lean.output.weight.is_meta  # the head stays readable: drafters and embedding lookups read it
+    for rows in (1, 5, 80):  # a decode, a verify, a prefill past every kernel's row limit
+        ids = torch.randint(0, 96, (1, rows), generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(lean(ids, lean.new_cache(), torch.arange(rows)[None])[0],
+                                   full(ids, full.new_cache(), torch.arange(rows)[None])[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="no plain weight"):
+        linears[0].unpack()
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="lean Linear"):
+        linears[0](torch.randn(2, 64, requires_grad=True))
+
+
 def test_fp32_products_are_prepacked_from_one_row_except_on_intel():
     assert packed_min_fp32_rows("GenuineIntel") == 4  # MKL wins for 1..3 rows there
     assert packed_min_fp32_rows("AuthenticAMD") == packed_min_fp32_rows("") == 1

@@ -61,7 +61,8 @@ def run_in_triton_interpreter(check: Callable[..., None], *args: str) -> None:
     included, at `import triton` -- so the variable only works if set before anything imports triton, which
     this pytest process cannot promise."""
     path = inspect.getfile(check)
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(path)!r}); import importlib.util as u; "
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `support` imports from
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(path)!r}, {tests!r}]; import importlib.util as u; "
             f"s = u.spec_from_file_location('checks', {path!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
             f"m.{check.__name__}(*{args!r})")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -49,7 +49,7 @@ def test_conversion_writes_shards_with_an_index_past_the_shard_size(tiny_qwen2_d
     assert len(shards) > 1 and sorted(set(index.values())) == shards
     model, ids = from_pretrained(out, max_seq_len=16), torch.arange(10)[None]
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, model.new_cache(), ids)[0], hf_model(out)(ids).logits)
+        torch.testing.assert_close(model(ids, model.new_cache(), ids).logits, hf_model(out)(ids).logits)
 
 
 def hf_model(path):
@@ -66,7 +66,7 @@ def test_tiny_qwen2_forward_equals_transformers(converted):
     assert model.layers[0].attention.wqkv.bias is not None
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(3))
     cache = model.new_cache(batch=2)
-    logits, _ = model(ids, cache, cache.lengths[:, None] + torch.arange(20))
+    logits = model(ids, cache, cache.lengths[:, None] + torch.arange(20)).logits
     torch.testing.assert_close(logits, hf_model(converted)(ids).logits, atol=2e-5, rtol=1e-4)
 
 
@@ -110,11 +110,11 @@ def test_qwen_coder_05b_preset_matches_transformers():
     model = from_pretrained(d, max_seq_len=64)
     assert model.config.qkv_bias and not model.config.o_bias
     cache = model.new_cache()
-    prefill, _ = model(ids[:, :n - 4], cache, torch.arange(n - 4)[None])
+    prefill = model(ids[:, :n - 4], cache, torch.arange(n - 4)[None]).logits
     cache.advance(n - 4)
     steps = [prefill]
     for t in range(n - 4, n):  # then one token at a time through the cache
-        steps.append(model(ids[:, t:t + 1], cache, torch.tensor([[t]]))[0])
+        steps.append(model(ids[:, t:t + 1], cache, torch.tensor([[t]])).logits)
         cache.advance(1)
     ours = torch.cat(steps, 1)
     print(f"max |ours - hf| = {(ours - ref).abs().max():.2e}, max |hf| = {ref.abs().max():.1f}")

@@ -127,7 +127,7 @@ def test_a_preset_as_lm_base_resolves_to_its_converted_directory(tmp_path):
     from types import SimpleNamespace
 
     from pipeline.config import load_config
-    from pipeline.distill import recipe_settings
+    from pipeline.stages.distill import recipe_settings
 
     cfg = load_config(overrides=["target=qwen2.5-coder-1.5b-instruct", "drafter.kind=lm",
                                  "drafter.lm_base=qwen2.5-coder-0.5b-instruct"])

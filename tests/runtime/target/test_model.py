@@ -265,8 +265,8 @@ def test_a_lean_model_holds_one_copy_of_each_weight_and_computes_the_same(tiny_m
     assert not lean.output.weight.is_meta  # the head stays readable: drafters and embedding lookups read it
     for rows in (1, 5, 80):  # a decode, a verify, a prefill past every kernel's row limit
         ids = torch.randint(0, 96, (1, rows), generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(lean(ids, lean.new_cache(), torch.arange(rows)[None])[0],
-                                   full(ids, full.new_cache(), torch.arange(rows)[None])[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lean(ids, lean.new_cache(), torch.arange(rows)[None]).logits,
+                                   full(ids, full.new_cache(), torch.arange(rows)[None]).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="no plain weight"):
         linears[0].unpack()
     with torch.enable_grad(), pytest.raises(RuntimeError, match="lean Linear"):

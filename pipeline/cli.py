@@ -247,8 +247,9 @@ def cmd_bench(args) -> int:
         report = run_batch_bench(target_dir, prompts, speculation, args.batch, args.max_new_tokens, dtype=dtype,
                                  device=str(device), policy=args.batch_policy)
     else:
+        # lean: the drafters a bundle or a weightless kind serves read only the target's embedding and head
         report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature, dtype=dtype,
-                           device=str(device), graphs=not args.no_graphs, compiled=args.compile)
+                           device=str(device), graphs=not args.no_graphs, compiled=args.compile, lean=True)
     write_json_atomic(Path(args.out), report)
     console.print(f"wrote {args.out}")
     return 0

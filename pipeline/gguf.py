@@ -1,7 +1,7 @@
 """A .gguf checkpoint -> a plain HF safetensors directory, through transformers' GGUF reader, one tensor at a time.
 
 transformers dequantizes a whole GGUF into one state dict before it builds the model, and its GGUF-loaded models
-refuse save_pretrained: loading, rebuilding and saving held three fp32 copies of the weights (19 GB for a 1.5B).
+refuse save_pretrained: loading, rebuilding and saving held three fp32 copies of the weights.
 Here each tensor is dequantized, renamed and written into a shard of at most SHARD_BYTES, so the converter holds
 one shard and one tensor; the names and the per-family fixes (Llama's q/k permutation) are transformers' own.
 """

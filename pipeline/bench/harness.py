@@ -79,13 +79,14 @@ class Speculation:
 def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculation: Speculation | None = None,
               max_new_tokens: int = 128, temperature: float = 0.0, *, dtype: torch.dtype = torch.float32,
               device: str = "cpu", graphs: bool = True, chat_template: bool = True, seed: int = 0,
-              print_table: bool = True, compiled: bool = False) -> dict:
+              print_table: bool = True, compiled: bool = False, lean: bool = False) -> dict:
     """Time HF generate, our autoregressive engine and (given `speculation`) our speculative engine on `prompts`.
     A prompt is a user turn (wrapped in the chat template) or token ids, used as they are. On a CUDA device with
     `graphs`, also the CUDA-graph rows (graph_methods; `compiled`: also fused by torch.compile).
 
-    Memory: HF's model is loaded only for its own phase, first, and freed before ours loads; ours holds one copy
-    of each weight (from_pretrained's lean) and a KV cache of the longest prompt + max_new_tokens + the draft room."""
+    Memory: HF's model is loaded only for its own phase, first, and freed before ours loads; ours has a KV cache of
+    the longest prompt + max_new_tokens + the draft room, and with `lean` (on a CPU) one copy of each weight
+    (from_pretrained's lean: a `speculation` that builds its drafter from the target's blocks needs them plain)."""
     from transformers import AutoTokenizer
 
     if not prompts:
@@ -106,7 +107,7 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
         bandwidth = max(bandwidth, copy_bandwidth(device=device))
         # CUDA graphs and compiled steps read the plain weights: only the eager CPU rows run lean
         target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device,
-                                 lean=torch.device(device).type == "cpu")
+                                 lean=lean and torch.device(device).type == "cpu")
         release_freed_memory()  # the load's buffers and the plain weights lean packing let go
         with_graphs = graphs and target.device.type == "cuda"
         served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None

@@ -52,9 +52,8 @@ def test_bench_on_smollm2(smollm2_dir):
     json.dumps(report)
     # SpecAttn (as a sparse bundle or --specattn-top-p asks): the speculative rows verify sparsely, AR stays dense
     sparse = SpecAttnConfig((-1, -1) + (0,) * 28, top_p=0.5)
-    # an untrained head starts from the target's last block, which the bench's lean target keeps only packed
-    head = eagle_recipe.build_eagle(from_pretrained(smollm2_dir, max_seq_len=256), None).eval()
-    eagle = chain_speculation("eagle", lambda t: EagleDrafter(head, t.max_seq_len), sparse=sparse)
+    eagle = chain_speculation("eagle", lambda t: EagleDrafter(eagle_recipe.build_eagle(t, None).eval(), t.max_seq_len),
+                              sparse=sparse)
     report = run_bench(smollm2_dir, default_bench_prompts()[:1], eagle, max_new_tokens=8, print_table=False)
     assert report["specattn"]["top_p"] == 0.5 and 0 < report["methods"]["ours_spec"]["kv_saved"] < 1
     assert "kv_saved" not in report["methods"]["ours_ar"] and report["methods"]["ours_ar"]["tau"] == 1.0

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 from pipeline.errors import DraftsmithError
+from pipeline.serving.settings import env_number
 
 WINDOW_ENV, MARGIN_ENV = "DRAFTSMITH_DRIFT_WINDOW", "DRAFTSMITH_DRIFT_MARGIN"
 log = logging.getLogger("draftsmith.serving")
@@ -30,21 +30,7 @@ class DriftSettings:
     def from_env() -> "DriftSettings":
         """$DRAFTSMITH_DRIFT_WINDOW and $DRAFTSMITH_DRIFT_MARGIN; a bad one is a one-line error naming it."""
         d = DriftSettings()
-        return DriftSettings(_read(WINDOW_ENV, int, d.window, lambda v: v >= 1, "an integer >= 1"),
-                             _read(MARGIN_ENV, float, d.margin, lambda v: math.isfinite(v) and v >= 0, "a number >= 0"))
-
-
-def _read(name: str, kind, default, ok, expected: str):
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise DraftsmithError(f"${name}={raw!r}: expected {expected}")
-    return value
+        return DriftSettings(env_number(WINDOW_ENV, d.window, int, 1), env_number(MARGIN_ENV, d.margin, float, 0))
 
 
 class DriftMonitor:

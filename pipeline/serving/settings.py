@@ -27,6 +27,20 @@ MAX_BATCH_ENV, MAX_QUEUE_ENV, TIMEOUT_ENV = "DRAFTSMITH_MAX_BATCH", "DRAFTSMITH_
 POLICY_ENV, POLICIES = "DRAFTSMITH_BATCH_POLICY", ("measured", "fixed", "plain")
 
 
+def env_number(name: str, default, kind, least):
+    """$name as an int or a finite float >= least, `default` where unset; a bad one is a one-line error naming it."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not value >= least or (kind is float and not math.isfinite(value)):
+        raise DraftsmithError(f"${name}={raw!r}: expected {'an integer' if kind is int else 'a number'} >= {least}")
+    return value
+
+
 @dataclass(frozen=True)
 class BatchSettings:
     max_batch: int = 8
@@ -38,25 +52,12 @@ class BatchSettings:
     def from_env() -> "BatchSettings":
         """The settings in the environment, each checked: a bad one is a one-line error naming it."""
         d = BatchSettings()
-
-        def number(name: str, default, kind, least):
-            raw = os.environ.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                value = kind(raw)
-            except ValueError:
-                value = None
-            if value is None or not value >= least or (kind is float and not math.isfinite(value)):
-                raise DraftsmithError(f"${name}={raw!r}: expected {'an integer' if kind is int else 'a number'} "
-                                      f">= {least}")
-            return value
-
         policy = os.environ.get(POLICY_ENV) or d.policy
         if policy not in POLICIES:
             raise DraftsmithError(f"${POLICY_ENV}={policy!r}: expected one of {', '.join(POLICIES)}")
-        return BatchSettings(number(MAX_BATCH_ENV, d.max_batch, int, 1), number(MAX_QUEUE_ENV, d.max_queue, int, 0),
-                             number(TIMEOUT_ENV, d.timeout_s, float, 0.001), policy)
+        return BatchSettings(env_number(MAX_BATCH_ENV, d.max_batch, int, 1),
+                             env_number(MAX_QUEUE_ENV, d.max_queue, int, 0),
+                             env_number(TIMEOUT_ENV, d.timeout_s, float, 0.001), policy)
 
 
 def serving_device():

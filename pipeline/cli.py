@@ -112,9 +112,11 @@ def cmd_serve(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.openai:
-        return serve_openai(cfg, args.port, args.host, args.alias, args.api_key, args.capture)
-    if args.api_key or args.capture:
-        raise DraftsmithError("--api-key and --capture are the OpenAI-compatible server's: pass --openai too")
+        return serve_openai(cfg, args.port, args.host, args.alias, args.api_key, args.capture, args.airflow_url,
+                            args.airflow_conf)
+    if args.api_key or args.capture or args.airflow_url or args.airflow_conf:
+        raise DraftsmithError("--api-key, --capture, --airflow-url and --airflow-conf are the OpenAI-compatible "
+                              "server's: pass --openai too")
     return serve(cfg, args.port, args.host, args.alias)
 
 
@@ -291,6 +293,11 @@ def build_parser() -> Parser:
     sv.add_argument("--capture", metavar="DB_URL", help="with --openai: record each answered request's prompt and "
                     "reply in this database (SQLAlchemy URL, e.g. sqlite:///traffic.db; default "
                     "$DRAFTSMITH_CAPTURE_URL; off when neither is set)")
+    sv.add_argument("--airflow-url", metavar="URL", help="with --openai: when the drift alert goes up, trigger the "
+                    "retraining DAG through the Airflow API server at URL (default $DRAFTSMITH_AIRFLOW_URL; off when "
+                    "neither is set)")
+    sv.add_argument("--airflow-conf", metavar="JSON", help="with --airflow-url: the triggered run's conf, a JSON "
+                    "object of DAG params (default $DRAFTSMITH_AIRFLOW_CONF, else {})")
     sv.add_argument("--config")
     sv.add_argument("overrides", nargs="*", metavar="key=value")
     sv.set_defaults(fn=cmd_serve)

@@ -23,6 +23,7 @@ from pipeline.serving.metrics import ServingMetrics
 from pipeline.serving.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, completion_body,
                                          model_list, new_id, now, usage)
 from pipeline.serving.reply import Ask, Reply
+from pipeline.serving.retrain_trigger import RetrainTrigger
 from pipeline.serving.served_model import ServedModel
 
 CLIENT_GONE = 499  # the status counted for a stream its client closed early (nginx's)
@@ -58,14 +59,18 @@ def _chat_ids(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
 
 
 def build_app(served: ServedModel, model_id: str, *, api_key: str | None = None, validated_tau: float | None = None,
-              drift: DriftSettings = DriftSettings(), capture: TrafficCapture | None = None) -> FastAPI:
+              drift: DriftSettings = DriftSettings(), capture: TrafficCapture | None = None,
+              retrain: RetrainTrigger | None = None) -> FastAPI:
     """The server's app; `validated_tau`: the bundle's, from its registered validation metrics; `capture`: where
-    answered requests are recorded (None: nowhere)."""
+    answered requests are recorded (None: nowhere); `retrain`: what the drift alert triggers (None: nothing)."""
     from runtime.serving.scheduler import QueueFull, RequestTimedOut, SchedulerError
 
     app = FastAPI(title="draftsmith", docs_url=None, redoc_url=None, openapi_url=None)
-    monitor = DriftMonitor(served.engine.counters, validated_tau, drift)
+    monitor = DriftMonitor(served.engine.counters, validated_tau, drift, retrain.fire if retrain else None)
     metrics = ServingMetrics(served, monitor)
+    if retrain is not None:
+        metrics.count_outcomes("retrain_triggers", "retraining DAG runs the drift alert triggered, by outcome",
+                               retrain.outcomes)
     created = now()
     app.state.served, app.state.metrics, app.state.drift = served, metrics, monitor
     if capture is not None:

@@ -1,11 +1,13 @@
 """The drift alert: acceptance on live traffic against what validate measured for the bundle. When the tokens per
 drafted verify over the last `window` drafted verifies fall below the validated tau by more than `margin`, the
 traffic no longer looks like what the drafter was trained and validated on: serving logs one line and raises the
-`draftsmith_drift_alert` gauge, and both go back once acceptance recovers."""
+`draftsmith_drift_alert` gauge, and both go back once acceptance recovers. Each time the alert goes up it can call
+a hook (pipeline.serving.retrain_trigger starts a retraining DAG run)."""
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.errors import DraftsmithError
@@ -36,8 +38,10 @@ class DriftSettings:
 class DriftMonitor:
     """Reads the engine's counters (runtime.serving.spec_counters) whenever asked; cheap enough for every request."""
 
-    def __init__(self, counters, validated_tau: float | None, settings: DriftSettings = DriftSettings()):
-        self.counters, self.validated_tau, self.settings = counters, validated_tau, settings
+    def __init__(self, counters, validated_tau: float | None, settings: DriftSettings = DriftSettings(),
+                 on_alert: Callable[[str], None] | None = None):
+        """`on_alert(reason)`: called once each time the alert goes up (not at every check while it stays up)."""
+        self.counters, self.validated_tau, self.settings, self.on_alert = counters, validated_tau, settings, on_alert
         counters.window = settings.window
         self.alert = False
 
@@ -55,6 +59,12 @@ class DriftMonitor:
                 log.warning("drift: rolling tau %.2f over the last %d drafted verifies is below the bundle's validated "
                             "tau %.2f by more than %.2f: traffic has moved away from what the drafter was trained on",
                             tau, s.window, self.validated_tau, s.margin)
+                if self.on_alert is not None:
+                    try:  # whatever the hook does, the request that ran this check is answered
+                        self.on_alert(f"drift alert: rolling tau {tau:.2f} over the last {s.window} drafted "
+                                      f"verifies, validated tau {self.validated_tau:.2f}, margin {s.margin:.2f}")
+                    except Exception as e:
+                        log.warning("drift: the alert's hook failed: %s", e)
             else:
                 log.warning("drift over: rolling tau %.2f is back within %.2f of the validated tau %.2f", tau,
                             s.margin, self.validated_tau)

@@ -52,6 +52,17 @@ class _SpecCollector:
                                   value=c.steps)
 
 
+class _OutcomeCollector:
+    def __init__(self, name: str, doc: str, counts):
+        self.name, self.doc, self.counts = name, doc, counts
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=["outcome"])
+        for outcome, n in list(self.counts.items()):
+            family.add_metric([outcome], n)
+        yield family
+
+
 class ServingMetrics:
     """One registry per server, so several servers (and tests) in one process keep their own."""
 
@@ -74,6 +85,10 @@ class ServingMetrics:
     def watch(self, name: str, doc: str, read) -> None:
         """A gauge that reads `read()` at scrape time."""
         Gauge(PREFIX + name, doc, registry=self.registry).set_function(read)
+
+    def count_outcomes(self, name: str, doc: str, counts) -> None:
+        """A counter by `outcome` that reads the mapping `counts` (outcome -> count) at scrape time."""
+        self.registry.register(_OutcomeCollector(PREFIX + name, doc, counts))
 
     def observe(self, reply) -> None:
         """A finished reply's latencies (pipeline.serving.reply.Reply)."""

@@ -68,10 +68,13 @@ def load_champion(cfg: Config, alias: str = "champion"):
 
 
 def serve_openai(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "champion",
-                 api_key: str | None = None, capture_url: str | None = None) -> int:
+                 api_key: str | None = None, capture_url: str | None = None, airflow_url: str | None = None,
+                 airflow_conf: str | None = None) -> int:
     """The OpenAI-compatible server (pipeline.serving.api_server) over models:/NAME@alias, in the foreground.
     `api_key` (default $DRAFTSMITH_API_KEY): when set, /v1/ requests without it are refused with 401.
-    `capture_url` (default $DRAFTSMITH_CAPTURE_URL): a database URL that answered requests are recorded in."""
+    `capture_url` (default $DRAFTSMITH_CAPTURE_URL): a database URL that answered requests are recorded in.
+    `airflow_url`, `airflow_conf` (default $DRAFTSMITH_AIRFLOW_URL, $DRAFTSMITH_AIRFLOW_CONF): the Airflow API server
+    the drift alert triggers the retraining DAG on, and the run's conf (JSON)."""
     import logging
 
     import uvicorn
@@ -79,16 +82,21 @@ def serve_openai(cfg: Config, port: int, host: str = "127.0.0.1", alias: str = "
     from pipeline.serving.api_server import build_app
     from pipeline.serving.capture import CaptureSettings, TrafficCapture
     from pipeline.serving.drift import DriftSettings
+    from pipeline.serving.retrain_trigger import RetrainTrigger, TriggerSettings
 
     BatchSettings.from_env()  # bad settings fail here, before the model loads
     drift, capturing = DriftSettings.from_env(), CaptureSettings.from_env(capture_url)
+    triggering = TriggerSettings.from_env(airflow_url, airflow_conf)
     capture = TrafficCapture(capturing) if capturing.url else None
+    retrain = RetrainTrigger(triggering) if triggering.url else None
     served, tau = load_champion(cfg, alias)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = build_app(served, cfg.register.model_name, api_key=api_key or os.environ.get(API_KEY_ENV) or None,
-                    validated_tau=tau, drift=drift, capture=capture)
+                    validated_tau=tau, drift=drift, capture=capture, retrain=retrain)
     print(f"OpenAI-compatible API for models:/{cfg.register.model_name}@{alias} (validated tau "
-          f"{'unknown' if tau is None else f'{tau:.2f}'}) on http://{host}:{port}/v1", file=sys.stderr)
+          f"{'unknown' if tau is None else f'{tau:.2f}'}) on http://{host}:{port}/v1"
+          + (f"; the drift alert triggers DAG {triggering.dag_id} at {triggering.url}" if retrain else ""),
+          file=sys.stderr)
     # no access log: it would record requests refused for want of the API key
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info")
     return 0

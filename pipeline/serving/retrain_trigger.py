@@ -119,7 +119,7 @@ class RetrainTrigger:
                         raise _Refused(f"HTTP 409 and no run {run_id}: another run of {s.dag_id} has logical date "
                                        f"{when.isoformat()}")
                 if status not in (200, 201):
-                    raise _Refused(f"HTTP {status}: {reply}")
+                    raise _Refused(f"POST {path} answered HTTP {status}: {reply.get('detail', reply)}")
             except _Refused as e:
                 error = str(e)
                 break

@@ -155,3 +155,12 @@ def test_triggering_is_off_unless_a_url_is_given(monkeypatch):
     assert s.url == "http://127.0.0.1:8080" and s.conf == {"runs_dir": "r"}
     with pytest.raises(DraftsmithError, match="^--airflow-conf='x': expected a JSON object"):
         TriggerSettings.from_env("http://127.0.0.1:8080", "x")
+
+
+def test_pipeline_serve_checks_the_trigger_flags_before_loading_anything(capsys):
+    from pipeline.cli import main
+
+    assert main(["serve", "--airflow-url", "http://127.0.0.1:8080"]) == 2  # the OpenAI server's flag
+    assert "pass --openai too" in " ".join(capsys.readouterr().err.split())
+    assert main(["serve", "--openai", "--airflow-url", "http://127.0.0.1:8080", "--airflow-conf", "[1]"]) == 2
+    assert "--airflow-conf='[1]': expected a JSON object of DAG params" in " ".join(capsys.readouterr().err.split())

@@ -50,9 +50,10 @@ def airflow_env(home: Path) -> dict[str, str]:
 
 
 @contextmanager
-def airflow_api_server(home: Path, timeout_s: float = 300.0) -> Iterator[AirflowServer]:
+def airflow_api_server(home: Path, timeout_s: float = 600.0) -> Iterator[AirflowServer]:
     """`airflow db migrate`, `airflow dags reserialize`, then `airflow api-server` (one worker, a free port) until
-    /api/v2/monitor/health answers; yields it, and stops it after."""
+    /api/v2/monitor/health answers; yields it, and stops it after. Each step gets `timeout_s`: together they need
+    about 10 s of CPU, which a host busy with other work at a higher priority can stretch to minutes."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "passwords.json").write_text(json.dumps({USER: PASSWORD}))
     env, airflow = airflow_env(home), [sys.executable, "-m", "airflow"]

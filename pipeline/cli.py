@@ -235,11 +235,12 @@ def cmd_bench(args) -> int:
     target_dir = resolve_target(args.target)
     device = torch.device(default_device(args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else float_dtype("auto", device)
+    # lean everywhere: the drafters a bundle or a weightless kind serves read only the target's embedding and head
     if args.context is not None:
         from pipeline.bench.long_context import run_context_bench
 
         report = run_context_bench(target_dir, args.context, speculation, args.max_new_tokens, dtype=dtype,
-                                   device=str(device), repeats=args.repeats)
+                                   device=str(device), repeats=args.repeats, lean=True)
     elif args.batch > 1:
         from pipeline.bench.batch import run_batch_bench
 
@@ -247,9 +248,8 @@ def cmd_bench(args) -> int:
             raise DraftsmithError(f"--batch {args.batch} --temperature {args.temperature}: the batched bench is "
                                   "greedy (it checks every row against its batch-1 decode)")
         report = run_batch_bench(target_dir, prompts, speculation, args.batch, args.max_new_tokens, dtype=dtype,
-                                 device=str(device), policy=args.batch_policy)
+                                 device=str(device), policy=args.batch_policy, lean=True)
     else:
-        # lean: the drafters a bundle or a weightless kind serves read only the target's embedding and head
         report = run_bench(target_dir, prompts, speculation, args.max_new_tokens, args.temperature, dtype=dtype,
                            device=str(device), graphs=not args.no_graphs, compiled=args.compile, lean=True)
     write_json_atomic(Path(args.out), report)

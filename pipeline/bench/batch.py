@@ -2,9 +2,10 @@
 batches of N prompts (HF's left-padded), in one process; plus each batch's batch-1 greedy decode, which every
 greedy batched row must equal token for token.
 
-The prompts go in groups of N, each group a batch every method runs back to back (runtime.serving.batch_engine for ours:
-each row drafts, verifies and stops on its own), so a host that slows down slows all alike. Throughput is new
-tokens over wall time, prefill included.
+The prompts go in groups of N, each group a batch our methods run back to back (runtime.serving.batch_engine: each
+row drafts, verifies and stops on its own), so a host that slows down slows them alike; HF's row runs in a phase of
+its own before ours, so that its model and ours are never resident together. Throughput is new tokens
+over wall time, prefill included.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench.harness import Speculation, device_name, interleaved
+from pipeline.bench.harness import Speculation, device_name, interleaved, with_hf
+from pipeline.host_memory import release_freed_memory
 from pipeline.tokens import encode, stop_ids
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.serving.served_engine import batch_config
@@ -42,11 +44,12 @@ def hf_generate_batch(hf, batch: list[list[int]], max_new_tokens: int, stops: tu
 def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], speculation: Speculation | None,
                     batch: int, max_new_tokens: int = 128, *, dtype: torch.dtype = torch.float32,
                     device: str = "cpu", policy: str = "fixed", chat_template: bool = True,
-                    print_table: bool = True) -> dict:
+                    print_table: bool = True, lean: bool = False) -> dict:
     """Time each method over `prompts` in batches of `batch`. `policy`: the batched speculation's draft budget at
-    each batch size, the served one (`fixed`) or measured here first (`measured`, as serving chooses)."""
+    each batch size, the served one (`fixed`) or measured here first (`measured`, as serving chooses). HF's model
+    is loaded only for its own phase, first; `lean` (on a CPU): ours holds one copy of each weight (run_bench)."""
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if batch < 1 or not prompts:
         raise ValueError(f"run_batch_bench: batch={batch} and {len(prompts)} prompts, expected >= 1 of each")
@@ -56,37 +59,47 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
     prompt_ids = [p if isinstance(p, list) else encode(tokenizer, p, chat_template) for p in prompts]
     stops = stop_ids(tokenizer)
     max_seq_len = max(map(len, prompt_ids)) + max_new_tokens + (speculation.longest if speculation else 0) + 1
-    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
-    served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
-    cfg, note = batch_config(served.eager_config) if served else (EngineConfig(max_seq_len=max_seq_len), "")
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    engines = {"ours_ar_batch": BatchEngine(target, None, cfg, batch)}
-    if served is not None:
-        engines["ours_spec_batch"] = served.batched(batch, prompt_ids if policy == "measured" else None)[0]
-    single = Engine(target, None, cfg)
-
-    def ours(engine: BatchEngine):
-        def run(group: list[list[int]], _gen=None):
-            out = engine.generate([BatchRequest(i, p, max_new_tokens, stop_ids=stops) for i, p in enumerate(group)])
-            return [g.tokens for g in out], sum(g.metrics.target_forwards for g in out)
-        return run
-
-    methods = {"hf_generate_batch": lambda group, _gen=None: (hf_generate_batch(hf, group, max_new_tokens, stops), 0)}
-    methods |= {name: ours(e) for name, e in engines.items()}
     groups = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
-    totals = {name: {"seconds": 0.0, "new_tokens": 0, "forwards": 0, "tokens": []} for name in methods}
-    with tqdm(total=len(methods) * (1 + len(groups)) + len(prompt_ids), desc="batch bench", unit="run") as bar:
-        for name, run in methods.items():  # warm-up: allocator, kernels, caches
-            bar.set_postfix_str(f"{name}, warm-up")
-            run([p[:8] for p in groups[0]])
-            bar.update()
-        for name, seconds, tokens, forwards in interleaved(methods, groups, seed=0, progress=bar):  # greedy
-            t = totals[name]
+    n_methods = 2 + (speculation is not None)
+    totals: dict[str, dict] = {}
+
+    def add(runs) -> None:
+        for name, seconds, tokens, forwards in runs:
+            t = totals.setdefault(name, {"seconds": 0.0, "new_tokens": 0, "forwards": 0, "tokens": []})
             t["seconds"] += seconds
             t["new_tokens"] += sum(map(len, tokens))
             t["forwards"] += forwards
             t["tokens"] += tokens
+
+    with tqdm(total=n_methods * (1 + len(groups)) + len(prompt_ids), desc="batch bench", unit="run") as bar:
+        def timed(methods: dict):
+            for name, run in methods.items():  # warm-up: allocator, kernels, caches
+                bar.set_postfix_str(f"{name}, warm-up")
+                run([p[:8] for p in groups[0]])
+                bar.update()
+            return list(interleaved(methods, groups, seed=0, progress=bar))  # greedy
+
+        add(with_hf(target_dir, dtype, device, lambda hf: timed({"hf_generate_batch": lambda group, _gen=None: (
+            hf_generate_batch(hf, group, max_new_tokens, stops), 0)})))
+        target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device,
+                                 lean=lean and torch.device(device).type == "cpu")
+        release_freed_memory()  # the load's buffers and the plain weights lean packing let go
+        served = speculation.build(target, max_seq_len, prompt_ids[0]) if speculation else None
+        cfg, note = batch_config(served.eager_config) if served else (EngineConfig(max_seq_len=max_seq_len), "")
+        engines = {"ours_ar_batch": BatchEngine(target, None, cfg, batch)}
+        if served is not None:
+            engines["ours_spec_batch"] = served.batched(batch, prompt_ids if policy == "measured" else None)[0]
+
+        def ours(engine: BatchEngine):
+            def run(group: list[list[int]], _gen=None):
+                out = engine.generate([BatchRequest(i, p, max_new_tokens, stop_ids=stops)
+                                       for i, p in enumerate(group)])
+                return [g.tokens for g in out], sum(g.metrics.target_forwards for g in out)
+            return run
+
+        add(timed({name: ours(e) for name, e in engines.items()}))
         bar.set_postfix_str("each prompt's batch-1 decode")
+        single = Engine(target, None, cfg)
         batch1 = []
         for p in prompt_ids:
             batch1.append(single.generate(p, max_new_tokens, stop_ids=stops).tokens)
@@ -106,7 +119,9 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
               "device": device_name(), "torch_threads": torch.get_num_threads(), "methods": results,
               "budget": served.budget.spec if served else None,
               "policy": None if spec is None else spec.policy.describe(),
-              "policy_report": None if spec is None else spec.policy.report, "notes": [note] if note else []}
+              "policy_report": None if spec is None else spec.policy.report,
+              "notes": [note] * bool(note) + ["hf_generate_batch timed in its own phase before ours (its model is "
+                                              "loaded only then), not interleaved with our rows"]}
     if print_table:
         print_batch_report(report)
     return report

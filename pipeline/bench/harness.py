@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -31,7 +31,9 @@ from runtime.speculation.sampling import SamplingParams
 from runtime.target.attention import pick_backend
 from runtime.target.loading import from_pretrained
 from runtime.target.model import ModelConfig, Transformer, context_error
+
 Method = Callable[[list[int], torch.Generator], tuple[list[int], "Generation | None"]]
+T = TypeVar("T")
 
 
 def default_bench_prompts() -> list[str]:
@@ -145,16 +147,20 @@ def run_bench(target_dir: str | Path, prompts: list[str | list[int]], speculatio
 def hf_phase(target_dir: str | Path, dtype: torch.dtype, device: str, prompt_ids: list[list[int]],
              max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...], seed: int,
              outputs: dict[str, list[list[int]]], bar: tqdm) -> dict:
-    """HF generate's row (time_methods), its model loaded only for this phase and freed after it."""
+    """HF generate's row (time_methods), its model loaded only for this phase (with_hf)."""
+    return with_hf(target_dir, dtype, device, lambda hf: time_methods(
+        {"hf_generate": partial(hf_row, hf, max_new_tokens, params, stops)}, prompt_ids, seed, outputs, bar))
+
+
+def with_hf(target_dir: str | Path, dtype: torch.dtype, device: str, timed: Callable[[Any], T]) -> T:
+    """`timed(hf)` with HF's model loaded for it alone and freed before this returns, so that HF's weights and ours
+    are never resident together (`timed` must keep no reference to the model in what it returns)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    methods = {"hf_generate": partial(hf_row, hf, max_new_tokens, params, stops)}
-    results = time_methods(methods, prompt_ids, seed, outputs, bar)
-    del hf, methods  # the only references: its weights go before ours load
-    gc.collect()
+    result = timed(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval())
+    gc.collect()  # the model was referenced only by timed's frame: its weights go now
     release_freed_memory()
-    return results
+    return result
 
 
 def hf_row(hf, max_new_tokens: int, params: SamplingParams, stops: tuple[int, ...], ids: list[int],

@@ -4,18 +4,21 @@ against our engine (autoregressive, and speculative with a drafter), one prompt 
 Each prompt is a document and a question in the chat template, exactly N tokens long: the document is real text
 (assistant replies of held-out ShareGPT conversations, the same held-out side prepare splits off, one after
 another), the question asks about it. Time to the first token is the prefill (ours: Metrics.prefill_s; HF: when
-`generate` hands its streamer the first new token); decode speed counts the tokens after it.
+`generate` hands its streamer the first new token); decode speed counts the tokens after it. HF's rows run in a
+phase of their own before ours, so that its model and ours are never resident together.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from pipeline.bench.harness import Speculation, device_name, hf_generate, interleaved
+from pipeline.bench.harness import Speculation, device_name, hf_generate, interleaved, with_hf
 from pipeline.errors import DraftsmithError
+from pipeline.host_memory import release_freed_memory
 from pipeline.tokens import stop_ids
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
@@ -85,9 +88,10 @@ class _TokenTimes:
 
 def run_context_bench(target_dir: str | Path, spec: str, speculation: Speculation | None = None,
                       max_new_tokens: int = 128, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                      repeats: int = 1, seed: int = 0, print_table: bool = True) -> dict:
-    """Prefill seconds and decode tokens/s per context length of `spec` (see context_lengths), greedy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                      repeats: int = 1, seed: int = 0, print_table: bool = True, lean: bool = False) -> dict:
+    """Prefill seconds and decode tokens/s per context length of `spec` (see context_lengths), greedy. HF's model
+    is loaded only for its own phase, first; `lean` (on a CPU): ours holds one copy of each weight (run_bench)."""
+    from transformers import AutoTokenizer
     from tqdm import tqdm
 
     limit = ModelConfig.from_dir(target_dir).max_position_embeddings
@@ -97,46 +101,53 @@ def run_context_bench(target_dir: str | Path, spec: str, speculation: Speculatio
     prompts = [document_prompt(tokenizer, n, documents) for n in lengths]
     stops, params = stop_ids(tokenizer), SamplingParams()
     max_seq_len = min(limit, max(lengths) + max_new_tokens + (speculation.longest if speculation else 0) + 1)
-    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device)
-    served = speculation.build(target, max_seq_len, prompts[0][:64]) if speculation else None
-    cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    rows: list[dict] = [{} for _ in lengths]
+    with tqdm(total=len(prompts) * (2 + (speculation is not None)) * repeats, desc="context bench",
+              unit="run") as bar:
+        def timed(methods: dict) -> None:
+            for run in methods.values():  # warm-up: allocator, kernels, caches
+                run(prompts[0][:64], torch.Generator().manual_seed(seed))
 
-    def hf_run(ids, gen):
-        times = _TokenTimes()
-        start = time.perf_counter()
-        tokens = hf_generate(hf, ids, max_new_tokens, params, stops, gen, streamer=times)
-        return tokens, {"prefill_s": times.times[1] - start, "decode_s": time.perf_counter() - times.times[1]}
+            def counted(run):
+                def step(ids, gen):
+                    bar.set_postfix_str(f"{len(ids)} tokens")
+                    out = run(ids, gen)
+                    bar.update()
+                    return out
+                return step
 
-    def ours(engine: Engine):
-        def run(ids, gen):
-            out = engine.generate(ids, max_new_tokens, params, gen, stops)
-            m = out.metrics
-            return out.tokens, {"prefill_s": m.prefill_s, "decode_s": m.total_s - m.prefill_s, "tau": m.tau}
-        return run
+            measured = iter(interleaved({name: counted(run) for name, run in methods.items()}, prompts, seed,
+                                        repeats))
+            for row in rows:
+                for _ in methods:
+                    name, _, tokens, timing = next(measured)
+                    row[name] = {**timing, "new_tokens": len(tokens), "tokens": tokens}
 
-    methods = {"hf_generate": hf_run, "ours_ar": ours(Engine(target, None, replace(cfg, sparse=None)))}
-    if served is not None:
-        methods["ours_spec"] = ours(Engine(target, served.new_drafter(), cfg))
-    for run in methods.values():  # warm-up: allocator, kernels, caches
-        run(prompts[0][:64], torch.Generator().manual_seed(seed))
-    with tqdm(total=len(prompts) * len(methods) * repeats, desc="context bench", unit="run") as bar:
-        def counted(run):
-            def step(ids, gen):
-                bar.set_postfix_str(f"{len(ids)} tokens")
-                out = run(ids, gen)
-                bar.update()
-                return out
-            return step
+        def hf_run(hf, ids, gen):
+            times = _TokenTimes()
+            start = time.perf_counter()
+            tokens = hf_generate(hf, ids, max_new_tokens, params, stops, gen, streamer=times)
+            return tokens, {"prefill_s": times.times[1] - start, "decode_s": time.perf_counter() - times.times[1]}
 
-        measured = iter(interleaved({name: counted(run) for name, run in methods.items()}, prompts, seed, repeats))
-        contexts = []
-        for n in lengths:
-            row = {}
-            for _ in methods:
-                name, _, tokens, timing = next(measured)
-                row[name] = {**timing, "new_tokens": len(tokens), "tokens": tokens}
-            contexts.append(compare(n, row))
+        with_hf(target_dir, dtype, device, lambda hf: timed({"hf_generate": partial(hf_run, hf)}))
+        target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_seq_len, device=device,
+                                 lean=lean and torch.device(device).type == "cpu")
+        release_freed_memory()  # the load's buffers and the plain weights lean packing let go
+        served = speculation.build(target, max_seq_len, prompts[0][:64]) if speculation else None
+        cfg = served.eager_config if served else EngineConfig(max_seq_len=max_seq_len)
+
+        def ours(engine: Engine):
+            def run(ids, gen):
+                out = engine.generate(ids, max_new_tokens, params, gen, stops)
+                m = out.metrics
+                return out.tokens, {"prefill_s": m.prefill_s, "decode_s": m.total_s - m.prefill_s, "tau": m.tau}
+            return run
+
+        methods = {"ours_ar": ours(Engine(target, None, replace(cfg, sparse=None)))}
+        if served is not None:
+            methods["ours_spec"] = ours(Engine(target, served.new_drafter(), cfg))
+        timed(methods)
+    contexts = [compare(n, row) for n, row in zip(lengths, rows)]
     report = {"target": str(target_dir), "drafter": speculation.label if speculation else None,
               "dtype": str(dtype).removeprefix("torch."), "device": device_name(),
               "torch_threads": torch.get_num_threads(), "max_new_tokens": max_new_tokens, "context_limit": limit,

@@ -35,6 +35,7 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
     from transformers import AutoTokenizer
 
     from pipeline.bench.harness import default_bench_prompts
+    from pipeline.host_memory import release_freed_memory
     from pipeline.sources import resolve_target, target_fingerprint
     from pipeline.tokens import encode, stop_ids
     from runtime.bundle_reader import read_bundle
@@ -51,7 +52,9 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
     device = serving_device()
     # validate's precision, resolved on this device; models registered before it was recorded ran fp32
     dtype = float_dtype(model_config.get("precision", "fp32"), device)
-    target = from_pretrained(target_dir, dtype=dtype, device=device)
+    # lean on a CPU: one copy of each weight, as a bundle's drafter reads only the target's embedding and head
+    target = from_pretrained(target_dir, dtype=dtype, device=device, lean=device.type == "cpu")
+    release_freed_memory()  # the load's buffers and the plain weights lean packing let go
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     on_device = budget_source(device) == "device"
     batching = batching or BatchSettings.from_env()

@@ -1,11 +1,13 @@
 """`pipeline bench` (pipeline/bench/harness.py): the weight-streaming floor it reports against, and a bench on the real
 SmolLM2 target where HF generate, our AR decode and our speculation give the same tokens, densely and with SpecAttn."""
 import json
+import weakref
 
 import pytest
+import torch
 
 from pipeline.bench.harness import (Speculation, copy_bandwidth, default_bench_prompts, run_bench,
-                                    weight_bytes_per_token)
+                                    weight_bytes_per_token, with_hf)
 from runtime.drafters.ngram import NgramDrafter
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.serving.served_engine import ServedEngine
@@ -25,6 +27,12 @@ def test_weight_bytes_count_a_tied_table_once(tiny_model_dir):
         streamed = n_hf if tied else n_hf - 96 * 64  # an untied input embedding reads one row per token
         assert weight_bytes_per_token(from_pretrained(path, max_seq_len=16)) == 4 * streamed
     assert copy_bandwidth(n_bytes=1 << 20, repeats=2) > 0
+
+
+def test_hf_model_is_freed_before_ours_loads(tiny_chat_target):
+    refs = []
+    out = with_hf(tiny_chat_target, torch.float32, "cpu", lambda hf: refs.append(weakref.ref(hf)) or len(refs))
+    assert out == 1 and refs[0]() is None  # timed's result came back, HF's model is gone
 
 
 def chain_speculation(label: str, new_drafter, **fields) -> Speculation:

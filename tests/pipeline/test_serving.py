@@ -20,6 +20,7 @@ from pipeline.serving.settings import BUDGET_ENV, DEVICE_ENV, budget_source, ser
 from pipeline.sources import target_fingerprint
 from pipeline.stages.register import run_promote, run_register
 from runtime.bundle_reader import BundleError
+from runtime.target.cpu_packing import Packable
 from runtime.target.precision import float_dtype
 
 def plain_greedy(target_dir: Path, prompts: list[str], max_new_tokens: int, dtype=torch.float32) -> list[str]:
@@ -54,7 +55,11 @@ def test_pyfunc_generates_like_the_target(tmp_path, tiny_chat_target):
     model_uri = run_stage(cfg, store, "register", run_register)["outputs"]["model_uri"]
     model = mlflow.pyfunc.load_model(model_uri)
     dtype = float_dtype(cfg.validate.precision, torch.device("cpu"))  # served as validate measured
-    assert model.unwrap_python_model().served.engine.target.dtype == dtype
+    target = model.unwrap_python_model().served.engine.target
+    assert target.dtype == dtype
+    # lean on a CPU: every block weight is held once, packed (the replies below equal the plain target's)
+    packed = [m for m in target.layers.modules() if isinstance(m, Packable)]
+    assert packed and all(m.lean for m in packed)
     prompts = ["w5 w6 w7 w5 w6 w7 w5 w6", "w40 w41 w40 w41"]
     # The second row leaves max_new_tokens out (NaN in the frame): it gets validate's max_new_tokens.
     served = model.predict(pd.DataFrame([{"prompt": prompts[0], "max_new_tokens": 24}, {"prompt": prompts[1]}]))

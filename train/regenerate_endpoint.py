@@ -63,7 +63,10 @@ async def _regenerate(endpoint: Endpoint, tokenizer, conversations: list[list[di
     import openai
 
     done = done_keys(work)
-    todo = iter([(i, opening_at_user(turns)) for i, turns in enumerate(conversations) if i not in done])
+    remaining = [(i, opening_at_user(turns)) for i, turns in enumerate(conversations) if i not in done]
+    if not remaining:  # a rerun after every conversation was written: nothing to ask
+        return endpoint.model or ""
+    todo = iter(remaining)
     progress = _Progress(tqdm(total=len(conversations), initial=len(done), desc="prepare: regenerate via endpoint",
                               unit="conv", mininterval=2.0))
 
@@ -93,7 +96,7 @@ async def _regenerate(endpoint: Endpoint, tokenizer, conversations: list[list[di
     tasks: list[asyncio.Task] = []
     try:
         model = endpoint.model or await _only_model(client, endpoint)
-        tasks = [asyncio.create_task(worker()) for _ in range(endpoint.concurrency)]
+        tasks = [asyncio.create_task(worker()) for _ in range(min(endpoint.concurrency, len(remaining)))]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:

@@ -16,6 +16,11 @@ from pipeline.errors import DraftsmithError
 from runtime.target.precision import PRECISIONS
 
 
+# keys that change how fast a stage runs, not what it writes: left out of its inputs digest (pipeline.stages), so
+# changing them neither reruns a finished stage nor loses a killed one's resumable work
+DIGEST_EXEMPT = ("data.regen_concurrency", "data.regen_retries", "data.regen_timeout_s", "data.regen_api_key_env")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 

@@ -15,7 +15,7 @@ from pipeline.errors import DraftsmithError
 
 from pipeline.runstore import StageResult
 from pipeline.stages.context import StageContext
-from pipeline.stages.prepare_endpoint import check_regen_url, endpoint_pass, needs_local_target, work_key
+from pipeline.stages.prepare_endpoint import check_regen_url, endpoint_pass, needs_local_target
 
 SPLITS = ("train", "val")
 
@@ -86,7 +86,7 @@ def cached_streams(cfg) -> dict:
 
 
 def work_dir(ctx: StageContext) -> Path:
-    return ctx.store.dir / f".prepare-work-{work_key(ctx.cfg, cached_streams(ctx.cfg))}"
+    return ctx.store.dir / f".prepare-work-{ctx.digest[:16]}"
 
 
 def target_pass(ctx: StageContext, target, tokenizer, conversations: list[list[dict]], work: Path,

@@ -1,5 +1,5 @@
-"""prepare's regeneration through an OpenAI-compatible server (`data.regen_url`): the settings, the one-line errors,
-and the key of the resumable work dir.
+"""prepare's regeneration through an OpenAI-compatible server (`data.regen_url`): the settings and the one-line
+errors.
 
 With `data.cache_hidden` the features pass still runs here, on the target loaded locally, over the re-tokenised rows:
 the features then belong to exactly the ids distill trains on. Without it prepare never loads the target.
@@ -11,10 +11,6 @@ from pathlib import Path
 
 from pipeline.config import Config, DataCfg
 from pipeline.errors import DraftsmithError
-from pipeline.home import digest_json
-
-# settings that pace the requests but do not change a reply: a rerun with other values resumes the same work dir
-PACING = ("regen_concurrency", "regen_retries", "regen_timeout_s", "regen_api_key_env")
 
 
 def check_regen_url(d: DataCfg) -> None:
@@ -25,13 +21,6 @@ def check_regen_url(d: DataCfg) -> None:
 
 def needs_local_target(d: DataCfg) -> bool:
     return d.cache_hidden or (d.regenerate and d.regen_url is None)
-
-
-def work_key(cfg: Config, derived: dict) -> str:
-    """What decides the work dir's rows: prepare's inputs less the pacing settings."""
-    dump = cfg.model_dump(mode="json")
-    data = {k: v for k, v in dump["data"].items() if k not in PACING}
-    return digest_json({"target": dump["target"], "data": data, "run": dump["run"], "derived": derived})[:16]
 
 
 def regenerate_split(cfg: Config, tokenizer, conversations: list[list[dict]], work: Path) -> str:

@@ -160,7 +160,7 @@ def test_an_interrupted_pass_resumes_and_its_rows_are_the_servers_replies(tmp_pa
 
     faults.settle()
     faults.fail_after, faults.throttle, first, seen = None, 2, len(faults.answered), faults.seen
-    cfg = config(tmp_path, ending_target, source, url, "data.regen_retries=2", "data.cache_hidden=true")  # pacing: same work dir
+    cfg = config(tmp_path, ending_target, source, url, "data.regen_retries=2", "data.cache_hidden=true")
     rec = run_stage_on(store, "prepare", cfg, ending_target, run_prepare)
     assert rec["status"] == "completed" and "regenerated through http://127.0.0.1" in rec["message"]
     resumed = Counter(faults.answered[first:])
@@ -209,3 +209,16 @@ def test_a_missing_api_key_is_one_line(tmp_path, server, ending_target, monkeypa
     with pytest.raises(DraftsmithError, match=r"/v1: HTTP 401: a valid API key is required") as e:
         run_stage_on(RunStore(tmp_path / "runs", "k"), "prepare", cfg, ending_target, run_prepare)
     assert "\n" not in str(e.value)
+
+
+def test_settings_that_only_pace_requests_leave_the_digest_alone(tmp_path):
+    """Lowering the concurrency after 429s neither reruns a finished prepare nor loses a killed one's work dir."""
+    from pipeline.stages import get_stage, inputs_digest
+
+    def digest(*overrides):
+        cfg = load_config(None, ["data.regen_url=http://127.0.0.1:9/v1", "data.cache_hidden=false", *overrides])
+        return inputs_digest(get_stage("prepare"), cfg, RunStore(tmp_path, "r"))
+
+    assert digest() == digest("data.regen_concurrency=2", "data.regen_retries=0", "data.regen_timeout_s=5",
+                              "data.regen_api_key_env=OTHER")
+    assert len({digest(), digest("data.regen_model=m"), digest("data.regen_url=http://127.0.0.1:8/v1")}) == 3

@@ -16,6 +16,11 @@ from pipeline.errors import DraftsmithError
 from runtime.target.precision import PRECISIONS
 
 
+# keys that change how fast a stage runs, not what it writes: left out of its inputs digest (pipeline.stages), so
+# changing them neither reruns a finished stage nor loses a killed one's resumable work
+DIGEST_EXEMPT = ("data.regen_concurrency", "data.regen_retries", "data.regen_timeout_s", "data.regen_api_key_env")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -35,8 +40,23 @@ class DataCfg(Section):
     regen_max_new_tokens: int = Field(160, ge=1)
     regen_temperature: float = Field(0.0, ge=0)
     regen_batch_size: int = Field(32, ge=1)  # sequences decoded together (continuous batching)
+    # regeneration through an OpenAI-compatible server instead of the local target (docs/config.md)
+    regen_url: str | None = None  # its base URL, e.g. http://127.0.0.1:8000/v1; None: the target regenerates here
+    regen_model: str | None = None  # the served model id; None: the one GET /v1/models lists
+    regen_api_key_env: str = "DRAFTSMITH_REGEN_API_KEY"  # environment variable holding its API key (unset: none)
+    regen_concurrency: int = Field(16, ge=1)  # conversations in flight
+    regen_retries: int = Field(5, ge=0)  # per request, on 408/409/429/5xx, timeouts and refused connections
+    regen_timeout_s: float = Field(600.0, gt=0)  # per request
     cache_hidden: bool = True  # store target hidden states on disk (offline distillation)
     precision: Literal[PRECISIONS] = "auto"  # the target's weights while regenerating and caching features
+
+
+    @field_validator("regen_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// base URL such as http://127.0.0.1:8000/v1")
+        return url
 
 
 class DrafterCfg(Section):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from pipeline.config import Config
+from pipeline.config import DIGEST_EXEMPT, Config
 from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json
 from pipeline.runstore import RunStore, StageResult
@@ -63,6 +63,9 @@ def sections_through(name: str) -> tuple[str, ...]:
 def inputs_digest(stage: Stage, cfg: Config, store: RunStore) -> str:
     """Config sections this stage reads + the digest of the stage before it (a chain, like a Makefile)."""
     dump = cfg.model_dump(mode="json")
+    for key in DIGEST_EXEMPT:
+        section, _, name = key.partition(".")
+        dump[section].pop(name, None)
     prev = previous(stage)
     upstream = store.record(prev.name)["inputs_digest"] if prev else None
     derived = _function(stage.derived)(cfg) if stage.derived else {}

@@ -5,7 +5,10 @@ is idempotent (unchanged inputs are skipped, `register` finds the version it cre
 safe. Settings:
 - Airflow Variables (or AIRFLOW_VAR_<NAME> environment variables), read when the DAG is parsed:
   `draftsmith_retraining_schedule` (default @weekly), `draftsmith_workdir` (default: this repository).
-- DAG params, per run: `config` (YAML, relative to workdir), `data_source`, `runs_dir`, `workdir`.
+- DAG params, per run: `config` (YAML, relative to workdir), `data_source`, `runs_dir`, `workdir`; and the
+  retraining loop's: `traffic` (the database URL serving captures into; empty: none), `traffic_share` (of the
+  training rows), `warm_start` (distill starts from the champion's drafter). With `traffic`, validate measures the
+  candidate beside the champion on the newest traffic and promote moves `champion` only when it wins there.
 """
 from __future__ import annotations
 
@@ -31,10 +34,16 @@ def pipeline_run_id(dag_run) -> str:
     return f"dag-{when:%Y%m%d-%H%M%S}"
 
 
+# every stage gets the same overrides, so each computes the same inputs digests
+LOOP_OVERRIDES = ("{% if params.traffic %} data.traffic={{ params.traffic | sh }} "
+                  "data.traffic_share={{ params.traffic_share | float }}{% endif %}"
+                  "{% if params.warm_start %} distill.warm_start=champion{% endif %}")
+
+
 def stage_command(stage: str) -> str:
     cmd = (f"pipeline run --stage {stage} --run-id {{{{ draftsmith_run_id(dag_run) }}}} "
            "--config {{ params.config | sh }} data.source={{ params.data_source | sh }} "
-           "run.dir={{ params.runs_dir | sh }}")
+           "run.dir={{ params.runs_dir | sh }}" + LOOP_OVERRIDES)
     # A failed gate is a result, not an error: validate succeeds and the branch below skips publishing.
     return f"{cmd} || test $? -eq {GATE_FAILED_EXIT}" if stage == "validate" else cmd
 
@@ -60,6 +69,12 @@ with DAG(
                         description="pipeline YAML config, relative to workdir"),
         "data_source": Param("sharegpt", type="string", minLength=1,
                              description="dataset preset or ShareGPT-style .json/.jsonl file"),
+        "traffic": Param("", type="string", description="SQLAlchemy URL of the captured traffic "
+                         "(`pipeline serve --openai --capture URL`) to retrain on; empty: none"),
+        "traffic_share": Param(0.5, type="number", exclusiveMinimum=0, maximum=1,
+                               description="the share of the training rows that are traffic (1: traffic alone)"),
+        "warm_start": Param(False, type="boolean", description="distill starts from the champion's drafter and "
+                            "trains distill.warm_steps"),
         "runs_dir": Param("runs", type="string", minLength=1, description="run store root, relative to workdir"),
         "workdir": Param(Variable.get("draftsmith_workdir", default=str(REPO)), type="string", minLength=1,
                          description="directory the pipeline runs in"),

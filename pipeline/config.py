@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.errors import DraftsmithError
 from runtime.target.precision import PRECISIONS
@@ -19,6 +19,8 @@ from runtime.target.precision import PRECISIONS
 # keys that change how fast a stage runs, not what it writes: left out of its inputs digest (pipeline.stages), so
 # changing them neither reruns a finished stage nor loses a killed one's resumable work
 DIGEST_EXEMPT = ("data.regen_concurrency", "data.regen_retries", "data.regen_timeout_s", "data.regen_api_key_env")
+# an optional string where an empty one (`key=` on the command line, as the DAG passes an unset param) means None
+Blankable = Annotated[str | None, BeforeValidator(lambda v: None if isinstance(v, str) and not v.strip() else v)]
 
 
 class Section(BaseModel):
@@ -49,7 +51,12 @@ class DataCfg(Section):
     regen_timeout_s: float = Field(600.0, gt=0)  # per request
     cache_hidden: bool = True  # store target hidden states on disk (offline distillation)
     precision: Literal[PRECISIONS] = "auto"  # the target's weights while regenerating and caching features
-
+    # served traffic (pipeline.traffic): a SQLAlchemy URL of the database `pipeline serve --openai --capture` writes
+    traffic: Blankable = None
+    traffic_share: float = Field(0.5, gt=0, le=1)  # of the training rows; 1: traffic alone (base val still read)
+    traffic_holdout: float = Field(0.1, gt=0, lt=1)  # the most recent share of traffic rows, held out for validate
+    traffic_rows: int = Field(20_000, ge=2)  # the newest rows read
+    traffic_sampled: Literal["keep", "drop"] = "keep"  # rows served at temperature > 0
 
     @field_validator("regen_url")
     @classmethod
@@ -105,6 +112,10 @@ class DistillCfg(Section):
     deepspeed: str | None = None  # path to a deepspeed JSON config, or zero1|zero2|zero3
     kd_loss: Literal["forward_kl", "tv"] = "forward_kl"  # lm: distance to the target's next-token distribution
     precision: Literal[PRECISIONS] = "auto"  # training matmuls; auto: bf16 autocast where the hardware is fast
+    # an alias of register.model_name (e.g. champion) whose drafter training starts from; None or no such version:
+    # from scratch
+    warm_start: Blankable = None
+    warm_steps: int = Field(300, ge=1)  # steps when warm-started (instead of `steps`)
 
 
 class CalibrateCfg(Section):
@@ -155,6 +166,9 @@ class RegisterCfg(Section):
 
 class PromoteCfg(Section):
     metric: str = "speedup"
+    # a candidate validated against the champion on served traffic (data.traffic) is promoted when its traffic tau
+    # beats the champion's and its base tau is at most this much below; `metric` is not read then
+    base_margin: float = Field(0.05, ge=0)
 
 
 # Stage names double as section names; `validate`/`register` shadow deprecated BaseModel methods, harmlessly.

@@ -20,6 +20,8 @@ from pipeline.tracking import flatten, tracking_uri
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 METRIC_TAG = "metric."  # prefix of the tags holding validation metrics
+# what validate measures beside the champion when prepare read served traffic (champion_*: absent without one)
+TRAFFIC_METRICS = ("traffic_tau", "base_tau", "champion_traffic_tau", "champion_base_tau", "compared_with_version")
 MODEL_ARTIFACT = "drafter"  # name of the pyfunc model inside its MLflow logged model
 SERVING_MODEL = Path(__file__).parent / "serving" / "model_file.py"  # the pyfunc as code: nothing is pickled
 
@@ -154,6 +156,30 @@ def decide(candidate: dict[str, str], champion: dict[str, str] | None, metric: s
     return Decision(False, f"{metric} {new:.4g} does not beat the champion's {old:.4g}")
 
 
+def decide_on_traffic(candidate: dict[str, str], champion_version: str | None, margin: float) -> Decision:
+    """The loop's rule, for a candidate validate measured beside the champion on held-out served traffic and on the
+    base prompts: promote only when it wins on traffic and loses at most `margin` tau on the base prompts. The
+    champion it was measured against must still be the champion."""
+    if json.loads(candidate.get(METRIC_TAG + "lossless", "false")) is not True:
+        return Decision(False, "the candidate is not lossless")
+    measured = tag_metric(candidate, "compared_with_version")
+    if champion_version is None:
+        return Decision(True, "there is no champion yet")
+    if measured is None or int(measured) != int(champion_version):
+        was = "no champion" if measured is None else f"version {int(measured)}"
+        return Decision(False, f"validate compared it with {was}, but version {champion_version} is the champion "
+                               "now; rerun validate to compare with it")
+    new, old = tag_metric(candidate, "traffic_tau"), tag_metric(candidate, "champion_traffic_tau")
+    base, base_old = tag_metric(candidate, "base_tau"), tag_metric(candidate, "champion_base_tau")
+    if not new > old:
+        return Decision(False, f"traffic tau {new:.3f} does not beat the champion's {old:.3f}")
+    if base < base_old - margin:
+        return Decision(False, f"traffic tau {new:.3f} beats the champion's {old:.3f}, but base tau {base:.3f} is "
+                               f"more than promote.base_margin {margin:g} below the champion's {base_old:.3f}")
+    return Decision(True, f"traffic tau {new:.3f} beats the champion's {old:.3f}, base tau {base:.3f} against its "
+                          f"{base_old:.3f} (promote.base_margin {margin:g})")
+
+
 def _version(client, name: str, version: int | str):
     from mlflow.exceptions import MlflowException
 
@@ -177,8 +203,11 @@ def promote_candidate(cfg: Config, version: int | str) -> tuple[Decision, dict]:
     client = registry_client(cfg)
     cand = _version(client, name, version)
     champ = _champion(client, name)
+    on_traffic = METRIC_TAG + "traffic_tau" in cand.tags  # validated beside the champion on served traffic
     if champ is not None and champ.version == cand.version:
         decision = Decision(False, f"version {cand.version} is already the champion")
+    elif on_traffic:
+        decision = decide_on_traffic(cand.tags, champ.version if champ else None, cfg.promote.base_margin)
     else:
         decision = decide(cand.tags, champ.tags if champ else None, metric)
     if decision.promote:
@@ -188,6 +217,8 @@ def promote_candidate(cfg: Config, version: int | str) -> tuple[Decision, dict]:
                "champion_version": int(now.version) if now else None,
                f"candidate_{metric}": tag_metric(cand.tags, metric),
                f"previous_champion_{metric}": tag_metric(champ.tags, metric) if champ else None}
+    if on_traffic:
+        metrics |= {k: tag_metric(cand.tags, k) for k in TRAFFIC_METRICS}
     return decision, metrics
 
 
@@ -200,3 +231,66 @@ def promote_to(cfg: Config, version: int | str) -> str:
     client.set_registered_model_alias(name, CHAMPION, target.version)
     was = f"version {before.version}" if before else "no champion"
     return f"@{CHAMPION} of {name} moved from {was} to version {target.version}"
+
+
+# ---------------------------------------------------------------- a registered bundle, fetched
+
+@dataclass(frozen=True)
+class RegisteredBundle:
+    """A model version as the loop reads it: where it is, and the sha256 of its bundle's manifest (lineage)."""
+    name: str
+    version: str
+    registry_uri: str
+    bundle_sha256: str
+
+    @property
+    def identity(self) -> dict:
+        """What a report records of it."""
+        return {"name": self.name, "version": self.version, "bundle_sha256": self.bundle_sha256}
+
+
+def alias_ref(cfg: Config, alias: str) -> dict:
+    """Where `alias` of the configured model lives: what a stage's digest holds of a version it reads by alias (the
+    alias moving later does not rerun a finished stage)."""
+    return {"name": cfg.register.model_name, "alias": alias, "registry_uri": tracking_uri(cfg)}
+
+
+def aliased(name: str, alias: str, registry_uri: str) -> RegisteredBundle | None:
+    """The version of model `name` behind `alias` (alias_ref's fields), or None when there is none."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(tracking_uri=registry_uri, registry_uri=registry_uri)
+    try:
+        v = client.get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+    if "bundle_sha256" not in v.tags:
+        raise DraftsmithError(f"models:/{name}@{alias} (version {v.version}) has no bundle_sha256 tag: not a version "
+                              "`pipeline run --stage register` made")
+    return RegisteredBundle(name, str(v.version), registry_uri, v.tags["bundle_sha256"])
+
+
+def fetch_bundle(ref: RegisteredBundle) -> Path:
+    """The version's bundle directory, downloaded once into draftsmith's cache (atomically), its manifest's sha256
+    checked against the version's lineage tag. The caller reads it with runtime.bundle_reader.read_bundle and the
+    target's fingerprint, as serving does, which checks every file's hash."""
+    import mlflow
+
+    from pipeline.home import atomic_dir, home
+    from runtime.bundle_reader import MANIFEST
+
+    where = home() / "registry" / f"{ref.name}-v{ref.version}-{ref.bundle_sha256[:16]}"
+    if not where.is_dir():
+        mlflow.set_tracking_uri(ref.registry_uri)
+        mlflow.set_registry_uri(ref.registry_uri)
+        with atomic_dir(where) as tmp:
+            mlflow.artifacts.download_artifacts(f"models:/{ref.name}/{ref.version}", dst_path=str(tmp))
+    manifests = sorted(where.rglob(MANIFEST))
+    if len(manifests) != 1 or sha256_file(manifests[0]) != ref.bundle_sha256:
+        raise DraftsmithError(f"models:/{ref.name}/{ref.version}: the downloaded bundle's {MANIFEST} does not match "
+                              f"the version's bundle_sha256 tag {ref.bundle_sha256[:12]}... (tampered or incomplete: "
+                              f"remove {where} to download it again)")
+    return manifests[0].parent

@@ -31,11 +31,13 @@ def _function(path: str):
 
 STAGES: tuple[Stage, ...] = (
     Stage("prepare", ("target", "data", "run"), "pipeline.stages.prepare:run_prepare",
-          "pipeline.stages.prepare:cached_streams"),
-    Stage("distill", ("drafter", "distill"), "pipeline.stages.distill:run_distill"),
+          "pipeline.stages.prepare:derived_inputs"),
+    Stage("distill", ("drafter", "distill"), "pipeline.stages.distill:run_distill",
+          "pipeline.stages.warm_start:warm_start_inputs"),
     Stage("calibrate", ("calibrate", "validate"), "pipeline.stages.calibrate:run_calibrate"),
     Stage("export", ("export",), "pipeline.stages.export:run_export"),
-    Stage("validate", ("validate", "run"), "pipeline.stages.validate:run_validate"),
+    Stage("validate", ("validate", "run"), "pipeline.stages.validate:run_validate",
+          "pipeline.stages.versus_champion:champion_inputs"),
     Stage("register", ("register",), "pipeline.stages.register:run_register"),
     Stage("promote", ("promote",), "pipeline.stages.register:run_promote"),
 )

@@ -7,6 +7,7 @@ import json
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import StageResult
 from pipeline.stages.context import StageContext
+from pipeline.stages.warm_start import load_warm_start, warm_start_source
 from runtime.bundle_reader import LOOKUP_CORPUS
 
 
@@ -72,11 +73,16 @@ def run_distill(ctx: StageContext) -> StageResult:
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:
         keep = frequent_token_ids(train_set.input_ids, d.draft_vocab)
     recipe, model, loss_fn = build(ctx, target, keep)
-    spec = TrainSpec(steps=s.steps, lr=s.lr, warmup=min(s.warmup, s.steps - 1), weight_decay=s.weight_decay,
+    source = warm_start_source(ctx.cfg)
+    if source is not None:
+        load_warm_start(ctx, source, model, target)
+    steps = s.warm_steps if source is not None else s.steps
+    spec = TrainSpec(steps=steps, lr=s.lr, warmup=min(s.warmup, steps - 1), weight_decay=s.weight_decay,
                      ckpt_every=s.ckpt_every, eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed,
                      bf16_autocast=use_bf16(s.precision, target.device, training=True))
-    # Checkpoints live outside the atomic stage dir, keyed by the inputs digest: a killed distill resumes.
-    ckpt = ctx.store.dir / f".distill-ckpt-{ctx.digest[:16]}"
+    # Checkpoints live outside the atomic stage dir, keyed by the inputs digest (and by the version a warm start began
+    # from, which the digest does not hold): a killed distill resumes.
+    ckpt = ctx.store.dir / (f".distill-ckpt-{ctx.digest[:16]}" + (f"-from-v{source.version}" if source else ""))
     streams = kind.streams(d, target.config.n_layers)
     features = load_features(prep, "train", train_set.input_ids.numel(), streams)  # None: the target runs in training
     batches = Batches(train_set, s.batch_size, seed=ctx.cfg.run.seed, features=features)
@@ -105,6 +111,18 @@ def run_distill(ctx: StageContext) -> StageResult:
     metrics = {**{k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}, **tau,
                "steps": result["step"], "train_seconds": round(result["seconds"], 1),
                "offline_features": int(features is not None), "lookup_corpus_tokens": corpus_tokens}
+    if source is not None:
+        outputs["warm_start"] = f"models:/{source.name}/{source.version}"
+        metrics["warm_start_version"] = int(source.version)
     return StageResult(outputs=outputs, metrics=metrics,
                        message=f"{d.kind}: tau {tau['tau']:.2f} on {tau['tau_prompts']} val prompts"
-                       + (f" ({tau['tau_lookup']:.2f} with the lookup branch)" if d.lookup else ""))
+                       + (f" ({tau['tau_lookup']:.2f} with the lookup branch)" if d.lookup else "")
+                       + warm_start_note(ctx, source, steps))
+
+
+def warm_start_note(ctx: StageContext, source, steps: int) -> str:
+    if source is not None:
+        return f"; {steps} steps from models:/{source.name}/{source.version} (@{ctx.cfg.distill.warm_start})"
+    if ctx.cfg.distill.warm_start:
+        return f"; distill.warm_start={ctx.cfg.distill.warm_start}: no such version yet, trained from scratch"
+    return ""

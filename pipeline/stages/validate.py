@@ -25,6 +25,7 @@ from pipeline.errors import DraftsmithError
 from pipeline.home import digest_json, write_json_atomic
 from pipeline.runstore import StageResult
 from pipeline.stages.context import StageContext
+from pipeline.stages.versus_champion import compare_with_champion
 from runtime.speculation.decode_stats import Metrics
 from runtime.speculation.engine import Engine
 from runtime.speculation.sampling import SamplingParams
@@ -165,6 +166,15 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
             "configured_tree": {"budget": budget_dict(full), "timed": configured_tree}}
 
 
+def greedy_tau(engine: Engine, prompts: list[list[int]], max_new_tokens: int, stop_ids: tuple[int, ...], seed: int,
+               desc: str) -> float:
+    """Tau of `engine` over `prompts`, greedy and untimed (a progress bar named `desc`)."""
+    def run(ids, params, gen):
+        out = engine.generate(ids, max_new_tokens, params, gen, stop_ids)
+        return out.tokens, out.metrics
+    return time_methods({"spec": run}, prompts, SamplingParams(), seed, desc=desc)["spec"].tau(len(prompts))
+
+
 def budget_dict(engine: Engine) -> dict:
     """The draft budget `engine` runs (its lookup branch as the engine uses it: a weightless drafter has none), and
     whether the branch drafts from a corpus."""
@@ -219,6 +229,12 @@ def write_report_md(path: Path, report: dict) -> None:
         lines.append(f"| {r['temperature']:g} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_ar']:.1f} "
                      f"| {r['tokens_per_s_hf']:.1f} | {r['speedup']:.2f}x | {r['speedup_hf']:.2f}x |" + extra)
     gate = report["gate"]
+    if report.get("versus_champion"):
+        m, vs = report["metrics"], report["versus_champion"]
+        lines += ["", f"Beside the champion, greedy, each with its own served budget: tau {m['traffic_tau']:.2f} on "
+                  f"{vs['traffic_prompts']} held-out recent traffic prompts and {m['base_tau']:.2f} on the base prompts"
+                  + (f"; the champion (version {m['compared_with_version']}) {m['champion_traffic_tau']:.2f} and "
+                     f"{m['champion_base_tau']:.2f}" if vs["champion"] else "; there is no champion yet") + "."]
     if report["sparse"] is not None:
         lines += ["", f"SpecAttn sparse verification (top-p {report['sparse']['top_p']:g}, layer map in "
                   f"`layer_map.json`): {100 * report['metrics']['kv_saved']:.1f}% of the KV reads skipped. It is lossy "
@@ -287,11 +303,15 @@ def run_validate(ctx: StageContext) -> StageResult:
     if sparse is not None:
         metrics["kv_saved"] = min(r.get("kv_saved", 0.0) for r in rows)
     reasons = gate_reasons(metrics, v.gate, sparse is not None)
+    versus = compare_with_champion(ctx, prompts, lambda engine, ids, desc: greedy_tau(
+        engine, ids, v.max_new_tokens, ctx.stop_ids(), ctx.cfg.run.seed, desc))
+    if versus is not None:
+        metrics |= versus.pop("metrics")
     report = {"metrics": metrics, "gate": {"passed": not reasons, "reasons": reasons, **v.gate.model_dump()},
               "temperatures": rows, "drafter_kind": measured["kind"], "prompts": len(prompts),
               "max_new_tokens": v.max_new_tokens, "repeats": v.repeats, "dtype": measured["dtype"],
               "device": measured["device"], "budget": measured["budget"], "sparse": sparse,
-              "configured_tree": configured,
+              "configured_tree": configured, "versus_champion": versus,
               "validation_digest": digest_json({"prompt_ids": prompts, "temperatures": temperatures,
                                                 "max_new_tokens": v.max_new_tokens})}
     write_json_atomic(ctx.out / REPORT_JSON, report)
@@ -303,6 +323,10 @@ def run_validate(ctx: StageContext) -> StageResult:
                f"({budget_label(configured['budget'])})")
     summary += "".join(f", {metrics[f'speedup_{peer}']:.2f}x over {label}" for peer, label in PEERS.items()
                        if f"speedup_{peer}" in metrics)
+    if versus is not None:
+        summary += f"; tau {metrics['traffic_tau']:.2f} on recent traffic, {metrics['base_tau']:.2f} on the base prompts" \
+            + (f" (the champion's {metrics['champion_traffic_tau']:.2f} and {metrics['champion_base_tau']:.2f})"
+               if versus["champion"] else " (no champion yet)")
     if sparse is not None:
         summary += f"; SpecAttn top-p {sparse['top_p']:g} skipped {100 * metrics['kv_saved']:.1f}% of KV reads"
     return StageResult(status="completed" if not reasons else "gate_failed",

@@ -163,3 +163,58 @@ def test_full_dag_run_on_tiny_config(tmp_path):
         assert promote["metrics"]["promoted"] and promote["metrics"]["champion_version"] == 1
     else:
         assert not (run_dir / "register").exists()
+
+
+def test_loop_params_reach_every_stage_command(airflow_env):
+    """The retraining loop's params (captured traffic, its share, the warm start) become the same overrides on every
+    stage, quoted; unset, the commands are as before."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = load_dag()
+    run = SimpleNamespace(logical_date=datetime(2025, 1, 6, tzinfo=timezone.utc), run_after=None)
+    params = {**{k: dag.params[k] for k in dag.params}, "traffic": "sqlite:////srv/traffic db.sqlite",
+              "traffic_share": 0.25, "warm_start": True}
+    env = dag.get_template_env()
+    loop = " data.traffic='sqlite:////srv/traffic db.sqlite' data.traffic_share=0.25 distill.warm_start=champion"
+    for stage in ("prepare", "distill", "calibrate", "export", "validate", "register", "promote"):
+        command = env.from_string(dag.get_task(stage).bash_command).render(params=params, dag_run=run)
+        assert command.removesuffix(" || test $? -eq 3").endswith(loop), command
+        plain = env.from_string(dag.get_task(stage).bash_command).render(
+            params={k: dag.params[k] for k in dag.params}, dag_run=run)
+        assert "traffic" not in plain and "warm_start" not in plain
+    with pytest.raises(ParamValidationError):
+        dag.params.get_param("traffic_share").resolve(0)  # traffic's share must be in (0, 1]
+
+
+@pytest.mark.slow
+def test_dag_runs_the_retraining_loop_on_captured_traffic(tmp_path, tiny_chat_target):
+    """`airflow dags test` of the loop with the real CLI: a champion (made in this process) served chat requests with
+    capture on; the DAG run trains on that traffic from the champion's drafter, validates beside it, and promote
+    follows the loop's rule."""
+    from support.mlflow_server import mlflow_server
+    from support.retraining import MODEL, TINY_EAGLE, base_chats, dotted, run_pipeline, serve_and_capture
+
+    from pipeline.config import load_config
+    from pipeline.registry import CHAMPION, registry_client
+
+    chats = base_chats(tmp_path / "chats.jsonl")
+    with mlflow_server(tmp_path / "mlflow") as url:
+        tree = {**TINY_EAGLE, "target": str(tiny_chat_target), "register": {"model_name": MODEL, "tracking_uri": url}}
+        config = tmp_path / "loop.yaml"
+        config.write_text(yaml.safe_dump(tree))
+        cold = load_config(config, [f"run.dir={tmp_path / 'runs'}", f"data.source={chats}"])
+        run_pipeline(cold, "champion")
+        traffic = f"sqlite:///{tmp_path / 'traffic.db'}"
+        serve_and_capture(cold, traffic)
+        env = airflow_cli_env(tmp_path, Path(sys.executable).parent)  # the `pipeline` entry point of this venv
+        dags_test(env, "2025-01-06", {"config": str(config), "data_source": str(chats), "traffic": traffic,
+                                      "traffic_share": 0.5, "warm_start": True}, timeout=1500)
+        run_dir = tmp_path / "runs" / "dag-20250106-000000"
+        assert json.loads((run_dir / "prepare/stage.json").read_text())["metrics"]["traffic_read"] == 12
+        assert json.loads((run_dir / "distill/stage.json").read_text())["outputs"]["warm_start"] == f"models:/{MODEL}/1"
+        m = json.loads((run_dir / "validate/report.json").read_text())["metrics"]
+        assert m["compared_with_version"] == 1 and m["traffic_tau"] >= 1.0 and m["champion_traffic_tau"] >= 1.0
+        promote = json.loads((run_dir / "promote/stage.json").read_text())
+        wins = m["traffic_tau"] > m["champion_traffic_tau"] and m["base_tau"] >= m["champion_base_tau"] - 0.05
+        assert promote["metrics"]["promoted"] == wins, promote["message"]
+        assert registry_client(cold).get_model_version_by_alias(MODEL, CHAMPION).version == ("2" if wins else "1")

@@ -1,0 +1,78 @@
+"""distill's warm start (`distill.warm_start`, e.g. champion): the drafter starts from a registered version's
+weights instead of its kind's initialisation, and trains for `distill.warm_steps`.
+
+The version's bundle is fetched through the registry and read as serving reads it (the manifest's sha256 against the
+version's tag, every file's hash, the target's fingerprint); calibrate's packed weights are restored first. The draft
+vocabulary is chosen afresh from the new data: a trained head's rows (EAGLE-3's) are carried over for the tokens
+both vocabularies hold, the others start from the target's lm_head as a cold start's do.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.errors import DraftsmithError
+from pipeline.registry import RegisteredBundle, alias_ref, aliased, fetch_bundle
+from pipeline.stages.context import StageContext
+
+
+def warm_start_source(cfg) -> RegisteredBundle | None:
+    """The registered version distill starts from; None when not asked, or when the alias names no version yet."""
+    return aliased(**alias_ref(cfg, cfg.distill.warm_start)) if cfg.distill.warm_start else None
+
+
+def warm_start_inputs(cfg) -> dict:
+    """What distill's digest covers beyond its sections: the registry and alias it starts from. Not the version: a
+    finished run is not retrained because the alias moved since (its own promotion, say); a new run reads it anew."""
+    return {"warm_start": alias_ref(cfg, cfg.distill.warm_start)} if cfg.distill.warm_start else {}
+
+
+def load_warm_start(ctx: StageContext, source: RegisteredBundle, model: nn.Module, target) -> None:
+    """Load `source`'s drafter weights into `model` (built by the recipe, for this run's draft vocabulary)."""
+    from pipeline.sources import target_fingerprint
+    from runtime.bundle_reader import BundleError, read_bundle
+    from runtime.drafters import DRAFT_VOCAB, bundle_weights
+
+    where = f"distill.warm_start={ctx.cfg.distill.warm_start}: models:/{source.name}/{source.version}"
+    try:
+        bundle = read_bundle(fetch_bundle(source), target_fingerprint(ctx.target_dir))
+    except BundleError as e:
+        raise DraftsmithError(f"{where}: {e}") from None
+    if bundle.kind != ctx.cfg.drafter.kind:
+        raise DraftsmithError(f"{where} is a {bundle.kind} drafter, drafter.kind is {ctx.cfg.drafter.kind}: warm start "
+                              "continues training the same kind")
+    _, tensors = bundle_weights(bundle, torch.float32)
+    old_vocab = tensors.pop(DRAFT_VOCAB, None)
+    tensors |= carried_head_rows(model, tensors, old_vocab, target.config.vocab_size)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a shape that differs: another drafter.* setting
+        raise DraftsmithError(f"{where}: its weights do not fit the configured drafter "
+                              f"({str(e).splitlines()[1].strip()}); are drafter.* the champion's?") from None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [m for m in missing if not any(params.get(m) is params.get(w) for w in tensors)]  # tied: loaded once
+    if missing or unexpected:
+        raise DraftsmithError(f"{where}: its weights do not fit the configured drafter (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}); are drafter.* the champion's?")
+
+
+def carried_head_rows(model: nn.Module, tensors: dict, old_vocab: torch.Tensor | None,
+                      vocab_size: int) -> dict[str, torch.Tensor]:
+    """Each trained DraftHead's weight for the new draft vocabulary: the saved row of a token both vocabularies hold,
+    the model's fresh row (the target's) for the others."""
+    from runtime.drafters.shared.draft_head import DraftHead
+
+    old_ids = torch.arange(vocab_size) if old_vocab is None else torch.unique(old_vocab.long())
+    where_old = torch.full((vocab_size,), -1, dtype=torch.long)
+    where_old[old_ids] = torch.arange(old_ids.numel())
+    out = {}
+    for prefix, head in model.named_modules():
+        name = f"{prefix}.weight" if prefix else "weight"
+        if not isinstance(head, DraftHead) or not isinstance(head.weight, nn.Parameter) or name not in tensors:
+            continue
+        new_ids = torch.arange(vocab_size) if head.keep_ids is None else head.keep_ids.cpu()
+        rows, saved = head.weight.detach().cpu().float().clone(), tensors[name]
+        found = where_old[new_ids]
+        rows[found >= 0] = saved[found[found >= 0]].float()
+        out[name] = rows
+    return out

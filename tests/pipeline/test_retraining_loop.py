@@ -101,6 +101,35 @@ def test_warm_start_loads_the_registered_drafter_every_hash_checked(loop):
         tampered.write_text(original)
 
 
+def test_distill_continues_from_the_champions_weights(loop):
+    """One step at a vanishing rate: what distill writes is the champion's drafter (a cold start would be its
+    initialisation, which the champion's training moved away from)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from pipeline.runstore import RunStore
+    from pipeline.sources import resolve_target, target_fingerprint
+    from pipeline.stages import inputs_digest
+    from runtime.drafters import bundle_weights
+
+    _, warm, store = loop
+    cfg = warm.model_copy(update={"distill": warm.distill.model_copy(update={"warm_steps": 1, "lr": 1e-9})})
+    check = RunStore(cfg.run.dir, "warm-check")
+    shutil.copytree(store.stage_dir("prepare"), check.stage_dir("prepare"))
+    distill = next(s for s in STAGES if s.name == "distill")
+    digest = inputs_digest(distill, cfg, check)
+    check.run_stage("distill", digest, lambda out: distill.run(StageContext(cfg, check, out, digest)))
+    source = aliased(**alias_ref(cfg, CHAMPION))  # what distill started from: nothing has moved the alias since
+    assert check.record("distill")["outputs"]["warm_start"] == f"models:/{MODEL}/{source.version}"
+    _, champion = bundle_weights(read_bundle(fetch_bundle(source), target_fingerprint(resolve_target(cfg.target))),
+                                  torch.float32)
+    trained = load_file(check.stage_dir("distill") / "drafter.safetensors")
+    same_shape = [k for k, v in champion.items() if k in trained and trained[k].shape == v.shape]
+    assert len(same_shape) >= 4, sorted(trained)
+    assert all(torch.allclose(trained[k].float(), champion[k], atol=1e-5) for k in same_shape)
+
+
 def test_carried_head_rows_keep_the_rows_both_vocabularies_hold():
     from torch import nn
 

@@ -62,7 +62,8 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     engines = {"ours_ar_batch": BatchEngine(target, None, cfg, batch)}
     if served is not None:
-        engines["ours_spec_batch"] = served.batched(batch, prompt_ids if policy == "measured" else None)[0]
+        measured = served.measure_policy(batch, prompt_ids) if policy == "measured" else None
+        engines["ours_spec_batch"] = served.batched(batch, measured)[0]
     single = Engine(target, None, cfg)
 
     def ours(engine: BatchEngine):

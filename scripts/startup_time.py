@@ -2,8 +2,9 @@
 batch policy is measured) and on later ones (it is kept from the first), on this host.
 
 It registers an n-gram drafter bundle for the target in a fresh registry (SQLite, in a temporary directory), promotes
-it, and starts the real command with a fresh project home, `--starts` times in a row; each time it sends one chat
-request (temperature 0, 16 tokens) with the `openai` client until it is answered, and stops the server.
+it, and starts the real command with a fresh project home (sharing only the prepared targets), `--starts` times in a
+row; each time it sends one chat request (temperature 0, 16 tokens) with the `openai` client until it is answered,
+and stops the server.
 
     python scripts/startup_time.py [--target smollm2-135m-instruct] [--starts 2] [--budget 6x4/24] [--max-batch 8]
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from export.bundle_writer import write_bundle
 from pipeline.bench.load import free_port
 from pipeline.config import load_config
-from pipeline.home import write_json_atomic
+from pipeline.home import home, write_json_atomic
 from pipeline.registry import promote_to, register_bundle
 from pipeline.runstore import RunStore, StageResult
 from pipeline.sources import resolve_target, target_fingerprint
@@ -91,6 +92,9 @@ def main() -> int:
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="startup-"))
     overrides = registered_champion(root, args.target, ServedBudget.parse(args.budget))
+    (root / "home").mkdir()
+    if (home() / "targets").is_dir():  # the targets already prepared here: a first start does not prepare them again
+        (root / "home" / "targets").symlink_to(home() / "targets")
     env = {**os.environ, "DRAFTSMITH_HOME": str(root / "home"), "DRAFTSMITH_BATCH_POLICY": "measured",
            "DRAFTSMITH_MAX_BATCH": str(args.max_batch)}
     rows = []

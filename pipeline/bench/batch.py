@@ -88,7 +88,8 @@ def run_batch_bench(target_dir: str | Path, prompts: list[str | list[int]], spec
         cfg, note = batch_config(served.eager_config) if served else (EngineConfig(max_seq_len=max_seq_len), "")
         engines = {"ours_ar_batch": BatchEngine(target, None, cfg, batch)}
         if served is not None:
-            engines["ours_spec_batch"] = served.batched(batch, prompt_ids if policy == "measured" else None)[0]
+            measured = served.measure_policy(batch, prompt_ids) if policy == "measured" else None
+            engines["ours_spec_batch"] = served.batched(batch, measured)[0]
 
         def ours(engine: BatchEngine):
             def run(group: list[list[int]], _gen=None):

@@ -30,12 +30,17 @@ CHAIN = {"depth": 3, "width": 1, "nodes": 3, "adaptive": False, "lookup": 0, "ma
 
 
 def served_ngram(tmp: Path, target_dir: Path, max_batch: int = 2, max_queue: int = 2, timeout_s: float = 120.0,
-                 max_new_tokens: int = 12) -> ServedModel:
-    """An n-gram drafter bundle for `target_dir`, loaded as `pipeline serve` loads a registered one."""
-    write_bundle(tmp / "bundle", {"kind": "ngram", "max_ngram": 4}, None,
-                 target_fingerprint=target_fingerprint(target_dir), data_digest="d", config={}, code_version="test")
-    config = {"target": str(target_dir), "max_new_tokens": max_new_tokens, "budget": CHAIN, "precision": "fp32"}
-    return load_served(config, str(tmp / "bundle"), BatchSettings(max_batch, max_queue, timeout_s, "fixed"))
+                 max_new_tokens: int = 12, policy: str = "fixed", budget: dict = CHAIN,
+                 learn_tokens: int = 0) -> ServedModel:
+    """An n-gram drafter bundle for `target_dir` (kept in `tmp`), loaded as `pipeline serve` loads a registered
+    one; `learn_tokens` as DRAFTSMITH_LEARN_TOKENS, off by default so that a row's drafts depend on its own tokens
+    only."""
+    if not (tmp / "bundle").exists():
+        write_bundle(tmp / "bundle", {"kind": "ngram", "max_ngram": 4}, None,
+                     target_fingerprint=target_fingerprint(target_dir), data_digest="d", config={},
+                     code_version="test")
+    config = {"target": str(target_dir), "max_new_tokens": max_new_tokens, "budget": budget, "precision": "fp32"}
+    return load_served(config, str(tmp / "bundle"), BatchSettings(max_batch, max_queue, timeout_s, policy, learn_tokens))
 
 
 @contextmanager

@@ -36,10 +36,11 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
 
     from pipeline.bench.harness import default_bench_prompts
     from pipeline.host_memory import release_freed_memory
+    from pipeline.serving.policy_cache import kept_policy
     from pipeline.sources import resolve_target, target_fingerprint
     from pipeline.tokens import encode, stop_ids
     from runtime.bundle_reader import read_bundle
-    from runtime.serving.budget_tuner import describe
+    from runtime.serving.budget_tuner import BATCH_NEW_TOKENS, describe
     from runtime.serving.scheduler import Scheduler
     from runtime.serving.served_engine import served_engine
     from runtime.speculation.draft_budget import ServedBudget
@@ -63,11 +64,17 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
                            device_prompt=probes[0] if on_device else None)
     if served.device_report is not None:
         print(describe(served.device_report), file=sys.stderr)
-    engine, note = served.batched(batching.max_batch, probes if batching.policy == "measured" else None,
-                                  plain=batching.policy == "plain")
+    policy = None
+    if batching.policy == "measured":
+        policy, path, kept = kept_policy(bundle, served, batching.max_batch, probes, BATCH_NEW_TOKENS,
+                                         lambda: served.measure_policy(batching.max_batch, probes, BATCH_NEW_TOKENS))
+        print(f"batch policy {'kept from an earlier start' if kept else 'measured, kept'} in {path}", file=sys.stderr)
+    engine, note = served.batched(batching.max_batch, policy, plain=batching.policy == "plain",
+                                  learn_tokens=batching.learn_tokens)
     print(f"serving {batching.max_batch} rows at once, a queue of {batching.max_queue}, a "
           f"{batching.timeout_s:g} s timeout; draft budget by batch size: "
           f"{engine.policy.describe() if engine.drafter is not None else 'none (plain decoding)'}"
+          + f"; drafting also from the last {batching.learn_tokens} tokens of replies served" * (engine.replies is not None)
           + f"; {note}" * bool(note), file=sys.stderr)
     return ServedModel(tokenizer, engine, Scheduler(engine, batching.max_queue, batching.timeout_s),
                        stop_ids(tokenizer), int(model_config["max_new_tokens"]), batching)

@@ -9,8 +9,11 @@ concurrent requests are batched (read at load; a bad value is a one-line error n
 - DRAFTSMITH_REQUEST_TIMEOUT_S (120): a request not answered this long after it was accepted gets an error (HTTP
   504) and its rows leave the batch;
 - DRAFTSMITH_BATCH_POLICY (measured | fixed | plain): the draft budget at each batch size measured at load among
-  the bundle's budgets and plain decoding (runtime.serving.budget_tuner), the served budget at every size, or no
-  drafting at all (plain batched decoding: the baseline the load test compares with).
+  the bundle's budgets and plain decoding (runtime.serving.budget_tuner; kept per host and bundle,
+  pipeline.serving.policy_cache), the served budget at every size, or no drafting at all (plain batched decoding:
+  the baseline the load test compares with);
+- DRAFTSMITH_LEARN_TOKENS (16384): tokens of the latest served replies the lookup corpus learns
+  (runtime.serving.reply_corpus); 0: the bundle's corpus only.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ BUDGET_ENV = "DRAFTSMITH_BUDGET"
 BUDGET_SOURCES = ("calibrated", "device")
 MAX_BATCH_ENV, MAX_QUEUE_ENV, TIMEOUT_ENV = "DRAFTSMITH_MAX_BATCH", "DRAFTSMITH_MAX_QUEUE", "DRAFTSMITH_REQUEST_TIMEOUT_S"
 POLICY_ENV, POLICIES = "DRAFTSMITH_BATCH_POLICY", ("measured", "fixed", "plain")
+LEARN_ENV = "DRAFTSMITH_LEARN_TOKENS"
 
 
 def env_number(name: str, default, kind, least):
@@ -47,6 +51,7 @@ class BatchSettings:
     max_queue: int = 64
     timeout_s: float = 120.0
     policy: str = "measured"
+    learn_tokens: int = 16384
 
     @staticmethod
     def from_env() -> "BatchSettings":
@@ -57,7 +62,8 @@ class BatchSettings:
             raise DraftsmithError(f"${POLICY_ENV}={policy!r}: expected one of {', '.join(POLICIES)}")
         return BatchSettings(env_number(MAX_BATCH_ENV, d.max_batch, int, 1),
                              env_number(MAX_QUEUE_ENV, d.max_queue, int, 0),
-                             env_number(TIMEOUT_ENV, d.timeout_s, float, 0.001), policy)
+                             env_number(TIMEOUT_ENV, d.timeout_s, float, 0.001), policy,
+                             env_number(LEARN_ENV, d.learn_tokens, int, 0))
 
 
 def serving_device():

@@ -6,12 +6,16 @@ match; its subtree is a tree of continuations with their counts, and propose() t
 best-first within the budget. Appending a token extends only the suffix nodes it already tracks, so the cost
 per committed token is O(max_ngram + max_depth), independent of the sequence length.
 
-A `corpus` (`NgramDrafter.corpus`: a frozen trie of other token spans, such as the target's own answers to the
-training prompts) is where propose() looks when the sequence itself has no match, as REST retrieves drafts from a
-datastore: a small target's answers share many phrases, and the corpus holds them before the sequence does.
+A `corpus` (a Corpus: `NgramDrafter.corpus`, a frozen trie of other token spans such as the target's own answers to
+the training prompts) is where propose() looks first, as REST retrieves drafts from a datastore: a small target's
+answers share many phrases, and the corpus holds them before the sequence does. The corpus decides whether its
+continuation beats the sequence's own match: a frozen trie drafts only where the sequence has none (the rule
+calibrate and validate measured); runtime.serving.reply_corpus, which learns served replies, also where its match is
+longer.
 """
 from __future__ import annotations
 
+import abc
 import heapq
 import itertools
 import math
@@ -71,17 +75,29 @@ def load_corpus(path: Path, max_depth: int) -> NgramDrafter:
                                max_depth=max_depth)
 
 
-class NgramDrafter(Drafter):
+class Corpus(abc.ABC):
+    """Token spans an n-gram drafter continues its sequence's tail from (NgramDrafter's `corpus`)."""
+
+    vocab_size: int
+
+    @abc.abstractmethod
+    def continuations(self, tail: list[int], budget: DraftBudget, device: torch.device,
+                      matched: int) -> DraftTree | None:
+        """Continuations of a match of `tail`'s last tokens within `budget`, where they beat the sequence's own match
+        of `matched` tokens (0: it has none); None where they do not."""
+
+
+class NgramDrafter(Drafter, Corpus):
     def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM, max_depth: int = 8, min_ngram: int = 1,
-                 corpus: NgramDrafter | None = None):
+                 corpus: Corpus | None = None):
         for name, v in (("vocab_size", vocab_size), ("max_ngram", max_ngram), ("max_depth", max_depth),
                         ("min_ngram", min_ngram)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"NgramDrafter: {name}={v!r}, expected an int >= 1")
         if min_ngram > max_ngram:
             raise ValueError(f"NgramDrafter: min_ngram={min_ngram} > max_ngram={max_ngram}")
-        if corpus is not None and (not isinstance(corpus, NgramDrafter) or corpus.vocab_size != vocab_size):
-            raise ValueError(f"NgramDrafter: corpus={corpus!r}, expected an NgramDrafter of vocab_size {vocab_size}")
+        if corpus is not None and (not isinstance(corpus, Corpus) or corpus.vocab_size != vocab_size):
+            raise ValueError(f"NgramDrafter: corpus={corpus!r}, expected a Corpus of vocab_size {vocab_size}")
         self.vocab_size, self.corpus = vocab_size, corpus
         self.max_ngram, self.max_depth, self.min_ngram = max_ngram, max_depth, min_ngram
         self._device = torch.device("cpu")  # trees go where reset's tokens live (the engine's device)
@@ -108,9 +124,13 @@ class NgramDrafter(Drafter):
         continuations of at least `min_ngram` matched tokens are proposed where that drafter's sequence has none."""
         trie = NgramDrafter(vocab_size, max_ngram, max_depth, min_ngram)
         for span in spans:
-            trie._suffixes = []  # no substring across two spans
-            trie._append(span)
+            trie.add_span(span)
         return trie
+
+    def add_span(self, span: torch.Tensor) -> None:
+        """A corpus's further span [m]: its substrings are counted, none across it and the spans before."""
+        self._suffixes = []
+        self._append(span)
 
     def _append(self, tokens: torch.Tensor) -> None:
         if tokens.dim() != 1:
@@ -155,18 +175,19 @@ class NgramDrafter(Drafter):
     def commit(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self._append(tokens)
 
-    def _match(self) -> int | None:
-        """Trie node of the longest recent suffix (min_ngram..max_ngram tokens) that occurred before with a
+    def _match(self) -> tuple[int, int] | None:
+        """(trie node, length) of the longest recent suffix (min_ngram..max_ngram tokens) that occurred before with a
         continuation."""
         longest = min(self.max_ngram, len(self._suffixes))
         for length in range(longest, self.min_ngram - 1, -1):
             node = self._suffixes[length - 1]
             if self._first_child[node] >= 0:
-                return node
+                return node, length
         return None
 
-    def _node_of(self, context: list[int]) -> int | None:
-        """Trie node of the longest suffix (min_ngram..max_ngram tokens) of `context` that has a continuation."""
+    def match_of(self, context: list[int]) -> tuple[int, int] | None:
+        """(trie node, length) of the longest suffix (min_ngram..max_ngram tokens) of `context` that has a
+        continuation here."""
         for length in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             node = 0
             for token in context[-length:]:
@@ -174,24 +195,32 @@ class NgramDrafter(Drafter):
                 if node is None:
                     break
             if node is not None and self._first_child[node] >= 0:
-                return node
+                return node, length
         return None
+
+    def continuations(self, tail: list[int], budget: DraftBudget, device: torch.device,
+                      matched: int) -> DraftTree | None:
+        """As a frozen corpus: continuations only where the sequence has no match of its own."""
+        found = None if matched else self.match_of(tail)
+        return None if found is None else self.tree_at(found[0], budget, device)
 
     def propose(self, budget: DraftBudget, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
         """Most frequent continuations of the match, best-first by count: a child never outranks its parent, so
-        the tree is the budget's worth of most frequent paths; the corpus's where the sequence has no match.
+        the tree is the budget's worth of most frequent paths; the corpus's where it beats the sequence's match.
         Deterministic (q None) whatever the params."""
         match = self._match()
+        if self.corpus is not None:
+            tree = self.corpus.continuations(self._tail, budget, self._device, 0 if match is None else match[1])
+            if tree is not None:
+                return tree
         if match is not None:
-            return self._tree(match, budget, FIRST_ACCEPT, NEXT_ACCEPT, self._device)
-        match = None if self.corpus is None else self.corpus._node_of(self._tail)
-        if match is not None:
-            return self.corpus._tree(match, budget, CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT, self._device)
+            return self.tree_at(match[0], budget, self._device, FIRST_ACCEPT, NEXT_ACCEPT)
         return DraftTree.empty(self._device)
 
-    def _tree(self, match: int, budget: DraftBudget, first: float, later: float,
-              device: torch.device) -> DraftTree:
+    def tree_at(self, match: int, budget: DraftBudget, device: torch.device, first: float = CORPUS_FIRST_ACCEPT,
+                later: float = CORPUS_NEXT_ACCEPT) -> DraftTree:
+        """The most frequent continuations of trie node `match` within `budget`, scored as a corpus's by default."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []

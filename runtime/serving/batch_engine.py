@@ -30,6 +30,7 @@ import torch
 
 from runtime.drafters.ngram import NgramDrafter
 from runtime.drafters.shared.batch_drafter import batch_drafter
+from runtime.serving.reply_corpus import ReplyCorpus
 from runtime.serving.spec_counters import SpecCounters
 from runtime.speculation.cuda_graphs import StaticVerifier
 from runtime.speculation.decode_stats import Clock, DecodeStats
@@ -78,7 +79,7 @@ class _Row:
 
 class BatchEngine:
     def __init__(self, target: Transformer, new_drafter: Callable[[], Drafter] | None, cfg: EngineConfig,
-                 max_batch: int, policy: BatchPolicy | None = None):
+                 max_batch: int, policy: BatchPolicy | None = None, replies: ReplyCorpus | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"BatchEngine: max_batch={max_batch!r}, expected an int >= 1")
         if cfg.kv_scheme is not None or cfg.sparse is not None:
@@ -113,6 +114,8 @@ class BatchEngine:
         self.queue: deque[BatchRequest] = deque()
         self.step_times: list[tuple[int, float]] | None = None  # a list: each step appends (rows, seconds)
         self.counters = SpecCounters()
+        # each finished reply is added here (runtime.serving.reply_corpus), which the drafters read as their corpus
+        self.replies = replies
         # called on the stepping thread with (key, tokens) as a row's kept tokens land (streaming); None: nobody asks
         self.on_commit: Callable[[Hashable, list[int]], None] | None = None
 
@@ -309,6 +312,8 @@ class BatchEngine:
     def _finish(self, b: int) -> Generation:
         row = self._free(b)
         out = row.final()
+        if self.replies is not None:
+            self.replies.add(row.request.prompt, out)
         total = time.perf_counter() - row.started
         return Generation(out, row.stats.metrics(len(row.request.prompt), len(out), row.prefill_s, total))
 

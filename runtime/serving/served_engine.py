@@ -8,8 +8,10 @@ from dataclasses import dataclass, replace
 
 from runtime.bundle_reader import Bundle
 from runtime.drafters import build_drafter, get_kind
+from runtime.drafters.ngram import NgramDrafter
 from runtime.serving.batch_engine import BatchEngine
 from runtime.serving.budget_tuner import BATCH_NEW_TOKENS, ENGINE_NEW_TOKENS, choose_on_device, measure_policy
+from runtime.serving.reply_corpus import ReplyCorpus
 from runtime.speculation.draft_budget import BatchPolicy, ServedBudget
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig
@@ -57,21 +59,41 @@ class ServedEngine:
         measured against (dense: it reads every key)."""
         return Engine(self.engine.target, None, replace(self.engine.cfg, sparse=None))
 
-    def batched(self, max_batch: int, policy_prompts: list[list[int]] | None = None, plain: bool = False,
-                new_tokens: int = BATCH_NEW_TOKENS) -> tuple[BatchEngine, str]:
-        """The engine serving up to `max_batch` rows at once, and a note on what it runs. With `policy_prompts` its
-        draft budget at each batch size is measured here (runtime.serving.budget_tuner) among `budget`, the smaller
-        batch_candidates and plain decoding; without, `budget` at every batch size. `plain`: no drafter, plain
-        batched decoding (our batched autoregressive baseline)."""
+    def policy_candidates(self) -> list[tuple[ServedBudget, float | None]]:
+        """The budgets a batch policy chooses among (beside plain decoding): `budget` and the smaller
+        batch_candidates, each with calibrate's tau or None."""
+        return [(self.budget, None)] + [c for c in self.batch_candidates if c[0] != self.budget]
+
+    def measure_policy(self, max_batch: int, prompts: list[list[int]],
+                       new_tokens: int = BATCH_NEW_TOKENS) -> BatchPolicy:
+        """The draft budget at each batch size up to `max_batch`, timed here on `prompts` among policy_candidates
+        and plain decoding (runtime.serving.budget_tuner.measure_policy)."""
+        return measure_policy(self.engine.target, self.new_drafter, batch_config(self.engine.cfg)[0],
+                              self.policy_candidates(), prompts, max_batch, new_tokens)
+
+    def batched(self, max_batch: int, policy: BatchPolicy | None = None, plain: bool = False,
+                learn_tokens: int = 0) -> tuple[BatchEngine, str]:
+        """The engine serving up to `max_batch` rows at once, and a note on what it runs: drafting within `policy`
+        (measure_policy's, or a kept one), default `budget` at every batch size. `plain`: no drafter, plain batched
+        decoding (our batched autoregressive baseline). `learn_tokens` > 0: the lookup branch, and an n-gram
+        drafter, also draft from the last replies served, up to that many tokens (runtime.serving.reply_corpus)."""
         cfg, note = batch_config(self.engine.cfg)
         if plain:
             return BatchEngine(self.engine.target, None, cfg, max_batch), note
-        policy = BatchPolicy.fixed(self.budget)
-        if policy_prompts is not None:
-            candidates = [(self.budget, None)] + [c for c in self.batch_candidates if c[0] != self.budget]
-            policy = measure_policy(self.engine.target, self.new_drafter, cfg, candidates, policy_prompts, max_batch,
-                                    new_tokens)
-        return BatchEngine(self.engine.target, self.new_drafter, cfg, max_batch, policy), note
+        policy = policy or BatchPolicy.fixed(self.budget)
+        if not learn_tokens:
+            return BatchEngine(self.engine.target, self.new_drafter, cfg, max_batch, policy), note
+        depth = max([max(b.tree.depth, b.lookup) for b in policy.budgets() if b is not None], default=1)
+        replies = ReplyCorpus(self.engine.target.config.vocab_size, learn_tokens, depth, base=cfg.lookup_corpus)
+
+        def new_drafter() -> Drafter:
+            drafter = self.new_drafter()
+            if isinstance(drafter, NgramDrafter) and drafter.corpus is None:
+                drafter.corpus = replies
+            return drafter
+
+        return BatchEngine(self.engine.target, new_drafter, replace(cfg, lookup_corpus=replies), max_batch, policy,
+                           replies), note
 
 
 def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> list[tuple[ServedBudget, float | None]]:

@@ -122,6 +122,16 @@ class BatchPolicy:
     def budgets(self) -> list[ServedBudget | None]:
         return [b for _, b in self.steps]
 
+    def to_dict(self) -> dict:
+        """JSON: each step's first batch size and budget (ServedBudget.to_dict, None: plain), and the report."""
+        return {"steps": [[n, None if b is None else b.to_dict()] for n, b in self.steps], "report": self.report}
+
+    @staticmethod
+    def from_dict(d: dict) -> "BatchPolicy":
+        """What to_dict wrote; KeyError, TypeError or ValueError for anything else."""
+        steps = tuple((int(n), None if b is None else ServedBudget.from_dict(b)) for n, b in d["steps"])
+        return BatchPolicy(steps, d.get("report"))
+
     def describe(self) -> str:
         """'1: 2x2/4+8; 4+: plain decoding'"""
         parts = []

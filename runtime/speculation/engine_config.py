@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.drafters.ngram import NgramDrafter
+from runtime.drafters.ngram import Corpus
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.target.attention import SpecAttnConfig
 from runtime.target.quant_kv_cache import KVQuant
@@ -38,10 +38,10 @@ class EngineConfig:
     # greedy only: up to this many nodes continuing a match of the sequence's own recent tokens (runtime.drafters.ngram)
     # are merged into each draft tree; a target that repeats itself gets them accepted whatever the drafter proposed
     lookup: int = 0
-    # greedy only: where the sequence has no match, the lookup branch continues a match in this frozen trie
-    # (runtime.drafters.ngram.NgramDrafter.corpus; a bundle's lookup corpus: the target's own answers to
-    # training prompts)
-    lookup_corpus: NgramDrafter | None = field(default=None, compare=False, repr=False)
+    # greedy only: where it beats the sequence's own match, the lookup branch continues a match in this corpus
+    # (runtime.drafters.ngram: a frozen trie, a bundle's lookup corpus of the target's own answers to training
+    # prompts, drafts where the sequence has no match; runtime.serving.reply_corpus adds served replies to one)
+    lookup_corpus: Corpus | None = field(default=None, compare=False, repr=False)
     # greedy only: most nodes a verify holds, the drafter's and the lookup's together, keeping the likeliest
     # (DraftTree.best); 0: no limit. Where a verify's cost grows in steps (our CPU kernel's 6-row tiles), a tree
     # that fills its last step beats one that spills into the next.
@@ -67,8 +67,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: sparse={self.sparse!r}, expected a SpecAttnConfig or None")
         if self.kv_scheme is not None:
             KVQuant(self.kv_scheme, self.kv_recent)  # a clear error for a bad scheme or window, here
-        if self.lookup_corpus is not None and not isinstance(self.lookup_corpus, NgramDrafter):
-            raise ValueError(f"EngineConfig: lookup_corpus={self.lookup_corpus!r}, expected an NgramDrafter or None")
+        if self.lookup_corpus is not None and not isinstance(self.lookup_corpus, Corpus):
+            raise ValueError(f"EngineConfig: lookup_corpus={self.lookup_corpus!r}, expected a Corpus or None")
         for name in ("lookup", "max_tree", "draft_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

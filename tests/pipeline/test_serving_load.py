@@ -27,7 +27,8 @@ def hang_up_mid_request(port: int, prompt: str, max_new_tokens: int) -> None:
 def test_bounded_load_on_a_real_server(tmp_path, tiny_chat_target):  # noqa: F811 - the fixture
     from transformers import AutoTokenizer
 
-    env = {MAX_BATCH_ENV: "4", MAX_QUEUE_ENV: "8", POLICY_ENV: "measured"}
+    # a home of its own: a policy kept by an earlier run would not be measured at load
+    env = {MAX_BATCH_ENV: "4", MAX_QUEUE_ENV: "8", POLICY_ENV: "measured", "DRAFTSMITH_HOME": str(tmp_path / "home")}
     with served_champion(tmp_path, tiny_chat_target, tiny_chat_target, env) as (cfg, port, log):
         url = f"http://127.0.0.1:{port}"
         tokenizer = AutoTokenizer.from_pretrained(tiny_chat_target)

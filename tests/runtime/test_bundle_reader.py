@@ -146,7 +146,7 @@ def test_engine_settings_carry_the_lookup_corpus_where_the_calibrated_budget_dra
                      data_digest="dd", config={}, code_version="test", extra_files=extra)
     b8, b0 = read_bundle(tmp_path / "b8"), read_bundle(tmp_path / "b0")
     corpus = b8.engine_fields(b8.served_budget(ServedBudget()))["lookup_corpus"]
-    assert corpus.vocab_size == 100 and corpus.max_depth == 8 and corpus._node_of([5, 6]) is not None
+    assert corpus.vocab_size == 100 and corpus.max_depth == 8 and corpus.match_of([5, 6]) is not None
     assert "lookup_corpus" not in b0.engine_fields(b0.served_budget(ServedBudget()))  # no branch
     bench = ServedBudget.parse("2x1/2+4")  # pipeline bench --budget
     assert b0.engine_fields(bench)["lookup_corpus"].max_depth == 4

@@ -8,7 +8,6 @@ is counted once (as the lm_head; the input embedding reads one row).
 from __future__ import annotations
 
 import gc
-import platform
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -21,7 +20,7 @@ from tqdm import tqdm
 from pipeline.errors import DraftsmithError
 from pipeline.host_memory import release_freed_memory
 from pipeline.tokens import encode, stop_ids
-from runtime.device import synchronizer
+from runtime.device import cpu_model, synchronizer
 from runtime.serving.budget_tuner import describe
 from runtime.serving.served_engine import ServedEngine, static_verify_config
 from runtime.speculation.decode_stats import tokens_per_forward
@@ -330,12 +329,7 @@ def hf_generate(hf, ids: list[int], max_new_tokens: int, params: SamplingParams,
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"cpu: {cpu}"
+    return f"cpu: {cpu_model()}"
 
 
 def print_report(report: dict) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.home import digest_json, home, write_json_atomic
+from runtime.device import cpu_model
 
 FORMAT = 1  # bumped when what a kept file holds, or how a policy is measured, changes
 log = logging.getLogger("draftsmith.serving")
@@ -24,17 +24,6 @@ log = logging.getLogger("draftsmith.serving")
 
 def cache_dir() -> Path:
     return home() / "serving" / "batch_policies"
-
-
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it (platform's guess where there is no /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":")[0].strip() in ("model name", "Model", "Hardware"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def host_key(device) -> dict:

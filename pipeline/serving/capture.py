@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass
 
 from pipeline.errors import DraftsmithError
+from pipeline.serving.settings import env_number
 
 URL_ENV, ROWS_ENV, AGE_ENV = "DRAFTSMITH_CAPTURE_URL", "DRAFTSMITH_CAPTURE_MAX_ROWS", "DRAFTSMITH_CAPTURE_MAX_AGE_DAYS"
 TABLE = "served_requests"
@@ -41,16 +42,10 @@ class CaptureSettings:
     @staticmethod
     def from_env(url: str | None = None) -> "CaptureSettings":
         """`url` (a flag) over $DRAFTSMITH_CAPTURE_URL; the limits from their variables."""
-        def number(name: str, kind, default):
-            raw = os.environ.get(name)
-            try:
-                return default if not raw else kind(raw)
-            except ValueError:
-                raise DraftsmithError(f"${name}={raw!r}: expected {'an integer' if kind is int else 'a number'}") \
-                    from None
         d = CaptureSettings()
-        return CaptureSettings(url or os.environ.get(URL_ENV) or None, number(ROWS_ENV, int, d.max_rows),
-                               number(AGE_ENV, float, d.max_age_days))
+        # max_age_days > 0 is __post_init__'s check: env_number's bound is inclusive
+        return CaptureSettings(url or os.environ.get(URL_ENV) or None, env_number(ROWS_ENV, d.max_rows, int, 1),
+                               env_number(AGE_ENV, d.max_age_days, float, 0))
 
 
 @dataclass(frozen=True)

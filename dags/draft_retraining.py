@@ -4,7 +4,8 @@ Tasks shell out to the `pipeline` CLI, so this file needs only Airflow and the s
 is idempotent (unchanged inputs are skipped, `register` finds the version it created before), so retries are
 safe. Settings:
 - Airflow Variables (or AIRFLOW_VAR_<NAME> environment variables), read when the DAG is parsed:
-  `draftsmith_retraining_schedule` (default @weekly), `draftsmith_workdir` (default: this repository).
+  `draftsmith_retraining_schedule` (default @weekly; `none`: runs only when triggered, by the drift alert say),
+  `draftsmith_workdir` (default: this repository).
 - DAG params, per run: `config` (YAML, relative to workdir), `data_source`, `runs_dir`, `workdir`; and the
   retraining loop's: `traffic` (the database URL serving captures into; empty: none), `traffic_share` (of the
   training rows), `warm_start` (distill starts from the champion's drafter). With `traffic`, validate measures the
@@ -26,6 +27,11 @@ TRAIN_STAGES = ("prepare", "distill", "calibrate", "export", "validate")
 PUBLISH_STAGES = ("register", "promote")
 GATE_FAILED_EXIT = 3  # `pipeline run` exits with this when validate finished but the gate failed
 REPO = Path(__file__).resolve().parents[1]
+
+
+def schedule(value: str) -> str | None:
+    """The schedule Variable: a cron expression or preset, or `none` for no schedule (triggered runs only)."""
+    return None if value.strip().lower() == "none" else value
 
 
 def pipeline_run_id(dag_run) -> str:
@@ -58,7 +64,7 @@ def gate(params=None, dag_run=None) -> str:
 
 with DAG(
     DAG_ID,
-    schedule=Variable.get("draftsmith_retraining_schedule", default="@weekly"),
+    schedule=schedule(Variable.get("draftsmith_retraining_schedule", default="@weekly")),
     start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
     catchup=False,  # a missed week is not worth training for after the fact; the next run uses newer data
     max_active_runs=1,  # runs share the registry and the machine: never overlap

@@ -59,6 +59,11 @@ def test_schedule_and_workdir_from_variables(airflow_env, monkeypatch, tmp_path)
     assert dag.params["workdir"] == str(tmp_path)
 
 
+def test_schedule_none_runs_only_when_triggered(airflow_env, monkeypatch):
+    """A host retrained only by the drift alert: no scheduled run to race the triggered one."""
+    assert load_dag(monkeypatch, draftsmith_retraining_schedule="None").schedule is None
+
+
 def test_commands_render_with_run_id_and_quoted_params(airflow_env):
     dag = load_dag()
     run = SimpleNamespace(logical_date=datetime(2025, 1, 6, tzinfo=timezone.utc), run_after=None)

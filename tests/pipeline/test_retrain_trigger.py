@@ -10,10 +10,10 @@ from datetime import datetime, timezone
 
 import httpx
 import pytest
-from pipeline.bench.openai_stream import running, served_ngram
-from support.airflow_server import airflow_api_server
 
+from pipeline.bench.airflow_local import airflow_api_server
 from pipeline.bench.load import free_port
+from pipeline.bench.openai_stream import running, served_ngram
 from pipeline.errors import DraftsmithError
 from pipeline.serving.api_server import build_app
 from pipeline.serving.drift import DriftMonitor, DriftSettings

@@ -27,7 +27,8 @@ from pipeline.serving.settings import env_number
 URL_ENV, DAG_ENV, CONF_ENV = "DRAFTSMITH_AIRFLOW_URL", "DRAFTSMITH_AIRFLOW_DAG", "DRAFTSMITH_AIRFLOW_CONF"
 TOKEN_ENV, USER_ENV, PASSWORD_ENV = "DRAFTSMITH_AIRFLOW_TOKEN", "DRAFTSMITH_AIRFLOW_USERNAME", "DRAFTSMITH_AIRFLOW_PASSWORD"
 TIMEOUT_ENV, RETRIES_ENV = "DRAFTSMITH_AIRFLOW_TIMEOUT_S", "DRAFTSMITH_AIRFLOW_RETRIES"
-OUTCOMES = ("triggered", "failed")
+COOLDOWN_ENV = "DRAFTSMITH_AIRFLOW_COOLDOWN_S"
+OUTCOMES = ("triggered", "failed", "cooldown")
 log = logging.getLogger("draftsmith.serving")
 
 
@@ -42,6 +43,9 @@ class TriggerSettings:
     timeout_s: float = 10.0  # per HTTP call
     retries: int = 3  # further attempts after a failed one (connection errors, timeouts, 5xx, 429)
     backoff_s: float = 1.0  # before the first retry; doubled before each next one
+    # after a trigger, alerts this soon start nothing: the run it started is retraining (an alert hovering at its
+    # threshold rises again and again)
+    cooldown_s: float = 21600.0
 
     def __post_init__(self):
         if self.url is not None and urllib.parse.urlsplit(self.url).scheme not in ("http", "https"):
@@ -70,7 +74,8 @@ class TriggerSettings:
         return TriggerSettings(url or os.environ.get(URL_ENV) or None, os.environ.get(DAG_ENV) or d.dag_id, parsed,
                                os.environ.get(TOKEN_ENV) or None, os.environ.get(USER_ENV) or None,
                                os.environ.get(PASSWORD_ENV) or None, env_number(TIMEOUT_ENV, d.timeout_s, float, 0.001),
-                               env_number(RETRIES_ENV, d.retries, int, 0))
+                               env_number(RETRIES_ENV, d.retries, int, 0), d.backoff_s,
+                               env_number(COOLDOWN_ENV, d.cooldown_s, float, 0))
 
 
 class _Refused(Exception):
@@ -90,11 +95,21 @@ class RetrainTrigger:
         self.settings = settings
         self.base = settings.url.rstrip("/")
         self.outcomes = Counter({o: 0 for o in OUTCOMES})
-        self._count_lock = threading.Lock()  # an alert that flaps can have two triggers in flight
+        self._count_lock = threading.Lock()  # the checking thread and trigger threads count
         self.thread: threading.Thread | None = None  # the latest trigger's, for whoever wants to wait on it
+        self._last: float | None = None  # when the latest trigger that has not failed began (monotonic)
 
-    def fire(self, reason: str) -> threading.Thread:
-        """Trigger one run from a new daemon thread; returns at once."""
+    def fire(self, reason: str) -> threading.Thread | None:
+        """Trigger one run from a new daemon thread, unless one began within the cooldown (then None); returns at
+        once."""
+        with self._count_lock:
+            now, last = time.monotonic(), self._last
+            if last is not None and now - last < self.settings.cooldown_s:
+                self.outcomes["cooldown"] += 1
+                log.info("retrain: the drift alert rose again %.0f s after the last trigger, within the %.0f s "
+                         "cooldown: no new run", now - last, self.settings.cooldown_s)
+                return None
+            self._last = now
         when = datetime.now(timezone.utc)
         self.thread = threading.Thread(target=self.run, args=(when, reason), name="retrain-trigger", daemon=True)
         self.thread.start()
@@ -130,7 +145,9 @@ class RetrainTrigger:
             log.info("retrain: triggered DAG run %s of %s at %s (%s)", reply.get("dag_run_id", run_id), s.dag_id,
                      self.base, reason)
             return True
-        self._count("failed")
+        with self._count_lock:
+            self.outcomes["failed"] += 1
+            self._last = None  # nothing is retraining: the next alert tries again
         log.warning("retrain: could not trigger DAG %s at %s: %s", s.dag_id, self.base, error[:500])
         return False
 

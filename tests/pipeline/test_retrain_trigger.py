@@ -42,7 +42,7 @@ def lines(caplog) -> list[str]:
 def test_each_rising_alert_triggers_one_run_with_the_conf(airflow, caplog):
     caplog.set_level(logging.INFO, logger="draftsmith.serving")
     trigger = RetrainTrigger(TriggerSettings(airflow.url, conf=CONF, username=airflow.username,
-                                             password=airflow.password))
+                                             password=airflow.password, cooldown_s=0))
     counters = SpecCounters()
     monitor = DriftMonitor(counters, 3.0, DriftSettings(window=4, margin=0.5), trigger.fire)
     runs = []
@@ -57,7 +57,7 @@ def test_each_rising_alert_triggers_one_run_with_the_conf(airflow, caplog):
         runs.append(lines(caplog)[-1].split()[4])
         drive(counters, 4)
         assert not monitor.check()
-    assert trigger.outcomes == {"triggered": 2, "failed": 0}
+    assert trigger.outcomes == {"triggered": 2, "failed": 0, "cooldown": 0}
     assert len(lines(caplog)) == 2 and lines(caplog)[0].startswith(f"retrain: triggered DAG run drift__")
     assert f"of {DAG} at {airflow.url} (drift alert: rolling tau 2.00" in lines(caplog)[0]
     listed = {r["dag_run_id"]: r for r in airflow.get(f"dags/{DAG}/dagRuns?limit=100")["dag_runs"]}
@@ -66,6 +66,29 @@ def test_each_rising_alert_triggers_one_run_with_the_conf(airflow, caplog):
         assert run["conf"] == CONF and run["run_type"] == "manual" and run["state"] == "queued"
         assert run["note"].startswith("drift alert: rolling tau 2.00 over the last 4 drafted verifies, validated "
                                       "tau 3.00, margin 0.50") and run_id in listed
+
+
+def test_an_alert_rising_again_within_the_cooldown_starts_no_run(airflow, caplog):
+    """An alert hovering at its threshold rises again and again: one run per cooldown, the others counted; a trigger
+    that failed leaves no cooldown behind."""
+    caplog.set_level(logging.INFO, logger="draftsmith.serving")
+    trigger = RetrainTrigger(TriggerSettings(airflow.url, conf=CONF, username=airflow.username,
+                                             password=airflow.password, cooldown_s=3600))
+    counters = SpecCounters()
+    monitor = DriftMonitor(counters, 3.0, DriftSettings(window=4, margin=0.5), trigger.fire)
+    for _ in range(3):  # up, down, up, down, up
+        drive(counters, 2)
+        assert monitor.check()
+        drive(counters, 4)
+        assert not monitor.check()
+    trigger.thread.join(timeout=60)
+    assert trigger.outcomes == {"triggered": 1, "failed": 0, "cooldown": 2}
+    assert sum("within the 3600 s cooldown: no new run" in line for line in lines(caplog)) == 2
+
+    down = RetrainTrigger(TriggerSettings(f"http://127.0.0.1:{free_port()}", retries=0, timeout_s=2, cooldown_s=3600))
+    for _ in range(2):  # nothing listens: each alert tries, fails, and leaves the next free to try
+        down.fire("test").join(timeout=30)
+    assert down.outcomes == {"triggered": 0, "failed": 2, "cooldown": 0}
 
 
 def test_a_retry_finds_the_run_an_earlier_attempt_created(airflow, caplog):
@@ -93,7 +116,7 @@ def test_a_refusal_is_one_line_and_not_retried(airflow, caplog, settings, reason
     start = time.monotonic()
     assert not trigger.run(datetime.now(timezone.utc), "test")
     assert time.monotonic() - start < 30  # a retry would have waited out the backoff first
-    assert trigger.outcomes == {"triggered": 0, "failed": 1}
+    assert trigger.outcomes == {"triggered": 0, "failed": 1, "cooldown": 0}
     (line,) = lines(caplog)
     assert line.startswith(f"retrain: could not trigger DAG {s['dag_id'] if 'dag_id' in s else DAG} at "
                            f"{airflow.url}: ") and reason in line
@@ -109,7 +132,7 @@ def test_an_unreachable_airflow_is_retried_a_bounded_number_of_times_off_the_che
     assert monitor.check()
     assert trigger.thread.is_alive()  # the check returned while the trigger was still trying (1.5 s of backoff)
     trigger.thread.join(timeout=60)
-    assert trigger.outcomes == {"triggered": 0, "failed": 1}
+    assert trigger.outcomes == {"triggered": 0, "failed": 1, "cooldown": 0}
     (line,) = lines(caplog)
     assert line.startswith(f"retrain: could not trigger DAG {DAG} at {url}: ") and line.endswith("(attempt 3 of 3)")
 

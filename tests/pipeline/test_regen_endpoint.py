@@ -3,8 +3,13 @@ target behind `build_app`, the real `openai` client in prepare). The rows hold t
 an interrupted pass resumes asking only for the conversations not yet written; a bad URL is one line."""
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -44,6 +49,8 @@ class Faults:
     """What the server is told to do beside serving, and the first user turn of every request it answered."""
     def __init__(self):
         self.fail_after: int | None = None  # answer this many chat requests, then 503 every one
+        self.slow_after: int | None = None  # answer this many at once, then each after `delay_s`
+        self.delay_s = 0.0
         self.throttle = 0  # refuse the next this many with 429
         self.answered: list[str] = []
         self.seen = self.in_flight = 0
@@ -75,6 +82,8 @@ def server(ending_target, tmp_path_factory):
         first_user = json.loads(await request.body())["messages"][0]["content"]
         faults.in_flight += 1
         try:
+            if faults.slow_after is not None and len(faults.answered) >= faults.slow_after:
+                await asyncio.sleep(faults.delay_s)
             response = await call_next(request)
         finally:
             faults.in_flight -= 1
@@ -175,6 +184,49 @@ def test_an_interrupted_pass_resumes_and_its_rows_are_the_servers_replies(tmp_pa
         assert load_features(out, split, sum(map(len, rows))) is not None  # computed locally over these ids
     stops = [row[-1] == 1 for split in ("train", "val") for row in rows_of(out / f"{split}.safetensors")]
     assert any(stops) and not all(stops)  # both kinds of endings are covered
+    assert not list((tmp_path / "runs/r").glob(".prepare-work*"))
+
+
+def test_a_prepare_killed_mid_pass_resumes_from_what_it_wrote(tmp_path, server, ending_target):
+    """kill -9 of `pipeline run --stage prepare` while it regenerates through the server: the rerun asks only for
+    the conversations not yet written, and its rows are the server's replies."""
+    from transformers import AutoTokenizer
+
+    url, faults = server
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations()))
+    splits = split_conversations(conversations(), 0.3)
+    overrides = [f"run.dir={tmp_path / 'runs'}", f"target={ending_target}", f"data.source={source}",
+                 "data.val_fraction=0.3", "data.min_assistant_tokens=1", f"data.max_length={MAX_LENGTH}",
+                 f"data.regen_max_new_tokens={NEW_TOKENS}", f"data.regen_url={url}/v1", "data.regen_concurrency=3",
+                 "data.cache_hidden=false"]
+    argv = [sys.executable, "-m", "pipeline.cli", "run", "--stage", "prepare", "--run-id", "r", *overrides]
+    env = {**os.environ, "DRAFTSMITH_REGEN_API_KEY": KEY}
+
+    faults.slow_after, faults.delay_s, answered = len(faults.answered) + 4, 3.0, len(faults.answered)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, work = time.monotonic() + 300, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        work = next((tmp_path / "runs/r").glob(".prepare-work-*"), None)
+        if work is not None and (work / "train").is_dir() and done_keys(work / "train"):
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # killed mid-pass, not finished
+    faults.settle()
+    done = done_keys(work / "train")
+    assert 0 < len(done) < len(splits["train"]) and len(faults.answered) > answered
+    kept = {c[-4]["content"] for i, c in enumerate(splits["train"]) if i in done}
+
+    faults.slow_after, first = None, len(faults.answered)
+    rerun = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    resumed = Counter(faults.answered[first:])
+    tokenizer = AutoTokenizer.from_pretrained(ending_target)
+    rows, asked = expected_rows(url, tokenizer, splits["train"])
+    assert rows_of(tmp_path / "runs/r/prepare/train.safetensors") == rows
+    for chat, n in asked.items():
+        assert resumed[chat] == (0 if chat in kept else n), chat
     assert not list((tmp_path / "runs/r").glob(".prepare-work*"))
 
 

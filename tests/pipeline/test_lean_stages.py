@@ -105,3 +105,36 @@ def test_prepare_regenerates_and_caches_the_same_rows_lean_as_plain(tmp_path, ti
     assert loads == [True, True]  # the stage asked for lean; the second run was made plain here
     assert len(rows[False]) == 4 and all(torch.equal(a, b) for a, b in zip(rows[False][:2], rows[True][:2]))
     assert rows[False][2:] == rows[True][2:]  # the cached features, byte for byte
+
+
+@pytest.mark.slow
+def test_on_smollm2_lean_regenerates_and_decodes_as_plain_and_as_hf(smollm2_dir, tmp_path):
+    """The real target: prepare's regeneration (batched, greedy, with the features it caches) gives the same rows
+    lean as plain, and lean greedy decoding is HF `generate`'s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.bench.harness import hf_generate
+    from pipeline.tokens import encode, stop_ids
+    from train.regenerate import RegenSettings, regenerate
+    from train.shards import merge_shards
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": "..."}]
+             for q in ("Write a Python function that reverses a string.", "Why is the sky blue?",
+                       "List three prime numbers.", "What does a hash map do?")]
+    settings = RegenSettings(max_length=160, max_new_tokens=24, min_assistant_tokens=1, batch_size=4,
+                             params=SamplingParams(), keep_hidden=True, shard_rows=4)
+    merged = {}
+    for lean in (True, False):
+        target = from_pretrained(smollm2_dir, max_seq_len=160, lean=lean)
+        regenerate(target, tok, convs, tmp_path / str(lean), settings, stop_ids(tok))
+        merged[lean] = merge_shards(tmp_path / str(lean))
+        if lean:
+            prompt = encode(tok, convs[0][0]["content"], True)
+            ours = greedy(target, prompt, 24)
+        del target
+    (rows, features, _), (plain_rows, plain_features, _) = merged[True], merged[False]
+    assert len(rows) == 4 and torch.equal(rows.input_ids, plain_rows.input_ids)
+    torch.testing.assert_close(features, plain_features, atol=1e-3, rtol=0)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    assert ours == hf_generate(hf, prompt, 24, SamplingParams(), (), torch.Generator())

@@ -35,7 +35,8 @@ def main() -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="a preset, hub id or HF directory")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--plain-blocks", type=int, nargs="*", default=[], help="blocks kept plain (distill's eagle: the last)")
+    p.add_argument("--plain-blocks", type=int, nargs="*", default=[],
+                   help="blocks kept plain (distill's eagle: the last)")
     p.add_argument("--plain", action="store_true", help="load without lean, as the stages did before")
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens decoded after a 64-token prompt")
     args = p.parse_args()
@@ -55,7 +56,8 @@ def main() -> None:
         start = time.perf_counter()
         out = Engine(target, None, EngineConfig(max_seq_len=args.max_seq_len)).generate(
             prompt.tolist(), args.tokens, SamplingParams())
-        print(f"decoded {len(out.tokens)} tokens in {time.perf_counter() - start:.1f} s; resident {resident_gb():.2f} GB")
+        print(f"decoded {len(out.tokens)} tokens in {time.perf_counter() - start:.1f} s; "
+              f"resident {resident_gb():.2f} GB")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every number comes from one process on the same prompts: our speculative engine, our autoregressive engine
 (the same model, cache and verifier without a drafter) and HF transformers `generate`, each warmed up once
-before timing; for an lm drafter also HF assisted generation (`generate(assistant_model=...)`, HF's own
+before timing; HF's methods first, in a phase of their own (its model is freed before ours loads), ours after,
+back to back on each prompt; for an lm drafter also HF assisted generation (`generate(assistant_model=...)`, HF's own
 speculative decoding) driving the same drafter LM converted to an HF model, and for a bundle that drafts with
 the n-gram lookup branch also HF prompt lookup decoding (`generate(prompt_lookup_num_tokens=...)`, HF's own
 drafter-free counterpart of that branch). Greedy losslessness (speculative

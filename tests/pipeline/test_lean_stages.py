@@ -32,7 +32,8 @@ def block_linears(target, i: int) -> list[Packable]:
 
 
 def greedy(target, prompt: list[int], n: int) -> list[int]:
-    return Engine(target, None, EngineConfig(max_seq_len=target.max_seq_len)).generate(prompt, n, SamplingParams()).tokens
+    engine = Engine(target, None, EngineConfig(max_seq_len=target.max_seq_len))
+    return engine.generate(prompt, n, SamplingParams()).tokens
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

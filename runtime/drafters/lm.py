@@ -149,10 +149,13 @@ class LMKind(DrafterKind):
         o = module(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
         return torch.stack([o.attention[i][0] for i in taps.attention_layers])
 
-    def hf_assistant(self, drafter):
+    def hf_assistant(self, config):
+        return Transformer(LMConfig.from_dict(config).model, 1)  # HF's model has its own rotary tables: ours go unused
+
+    def hf_causal_lm(self, module):
         from runtime.target.loading import hf_causal_lm
 
-        return hf_causal_lm(drafter.model)
+        return hf_causal_lm(module)
 
 
 KIND = LMKind()

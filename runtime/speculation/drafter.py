@@ -162,6 +162,11 @@ class DrafterKind:
         engine is told to propose."""
         return {}
 
-    def hf_assistant(self, drafter: Drafter) -> nn.Module | None:
-        """An HF causal LM driving the same drafter, for HF assisted generation as validate's peer; None."""
+    def hf_assistant(self, config: dict) -> nn.Module | None:
+        """For HF assisted generation as validate's peer: the untrained module of `config`, built without the
+        target, whose trained weights make an HF causal LM (hf_causal_lm); None where the kind has none."""
         return None
+
+    def hf_causal_lm(self, module: nn.Module) -> nn.Module:
+        """The HF causal LM with a trained hf_assistant module's weights."""
+        raise self.unsupported("HF assistant")

@@ -1,5 +1,6 @@
 """export + validate stages on the tiny target: a verified bundle, measured numbers, the gate, tamper refusal."""
 import json
+import weakref
 
 import pytest
 import torch
@@ -174,6 +175,33 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir, capfd):
     prompts = _bench_prompts(out / PROMPTS_JSONL)  # what `pipeline bench --prompts` reads: validate's own prompts
     assert len(prompts) == report["prompts"] == 2 and report["validation_digest"] == digest_json(
         {"prompt_ids": prompts, "temperatures": [0.0, 0.8], "max_new_tokens": 12})
+
+
+def test_validate_never_holds_hfs_model_and_ours_together(exported, tiny_llama_dir, monkeypatch):
+    """HF's rows are timed in a phase of their own: when our target loads, no HF model is alive, and when an HF
+    model loads, no target of ours is; ours is loaded lean."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.stages.context import StageContext
+
+    hf, ours, load_hf, load_ours = [], [], AutoModelForCausalLM.from_pretrained, StageContext.load_target
+
+    def hf_loaded(*args, **kwargs):
+        assert not [t for t in ours if t() is not None], "HF's model loaded while ours is resident"
+        hf.append(weakref.ref(model := load_hf(*args, **kwargs)))
+        return model
+
+    def ours_loaded(self, *args, **kwargs):
+        assert not [m for m in hf if m() is not None], "our target loaded while HF's model is resident"
+        ours.append(weakref.ref(target := load_ours(self, *args, **kwargs)))
+        assert target.layers[0].attention.wqkv.lean
+        return target
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", hf_loaded)
+    monkeypatch.setattr(StageContext, "load_target", ours_loaded)
+    rec = run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    assert rec["status"] == "completed" and len(hf) == 1 and len(ours) == 1
+    assert rec["metrics"]["tokens_per_s_hf"] > 0
 
 
 def test_validate_refuses_a_prompt_beyond_the_models_context_in_one_line(exported, tiny_llama_dir):

@@ -40,7 +40,8 @@ class QuantSpecDrafter(LMDrafter):
         """`draft`: the target's int8 copy; it scores drafts with its own (int8) head over the full vocabulary."""
         self.model, self.head, self.vocab = draft, draft.output, None
         self.vocab_size = draft.config.vocab_size
-        self.cache = draft.new_cache(1, max_len)
+        # the target's room for a tree (EngineConfig.max_seq_len) bounds the draft's slots: no room past its length
+        self.cache = draft.new_cache(1, min(max_len, draft.max_seq_len))
         self.pending: list[Tensor] = []
         self.tree = None
         self.attention = None

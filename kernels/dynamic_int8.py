@@ -33,6 +33,14 @@ def pack(codes: Tensor, scales: Tensor, bias: Tensor | None = None):
         return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float().contiguous())
 
 
+def unpack(packed) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of a packed weight, read back from it (fbgemm keeps them beside its own layout)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q, _ = torch.ops.quantized.linear_unpack(packed)
+        return q.int_repr(), q.q_per_channel_scales().float()
+
+
 def linear(x: Tensor, packed) -> Tensor:
     """x [..., K] fp32 -> [..., N]: x quantised to uint8 over its own range, times the packed int8 weight, + bias."""
     rows = x.reshape(-1, x.shape[-1])

@@ -31,20 +31,18 @@ def plain_weight(layer: Packable) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """A linear layer's int8 copy: `codes` and `scales` (kernels/dynamic_int8.quantize) kept for inspection and the
-    packed weight the product reads. `weight` is a meta tensor of the original's shape and dtype, as a lean layer's:
-    the model's dtype and shapes read it."""
+    """A linear layer's int8 copy: the packed weight (kernels/dynamic_int8.pack, bias included) and nothing else.
+    `weight` is a meta tensor of the original's shape and dtype, as a lean layer's: the model's dtype reads it."""
 
     def __init__(self, layer: Packable):
         super().__init__()
         w = plain_weight(layer)
-        bias = getattr(layer, "bias", None)
-        codes, scales = dynamic_int8.quantize(w)
-        self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False)
-        self.packed = dynamic_int8.pack(codes, scales, bias)
+        self.packed = dynamic_int8.pack(*dynamic_int8.quantize(w), getattr(layer, "bias", None))
+        self.has_bias = layer.bias is not None
+
+    def codes_and_scales(self) -> tuple[Tensor, Tensor]:
+        return dynamic_int8.unpack(self.packed)
 
     def forward(self, x: Tensor) -> Tensor:
         return dynamic_int8.linear(x, self.packed)

@@ -3,7 +3,7 @@ self-speculative draft (runtime/drafters/quantspec.py) reads its weights through
 
 Why this one: a decode step is bound by the bytes of weights it streams, and fbgemm's int8 product streams a quarter
 of fp32's at full speed, where torch's packed int4 product (`_weight_int4pack_mm_for_cpu`) and int8 product
-(`_weight_int8pack_mm`) run slower than our fp32 kernel on a CPU at one row (docs/qwen.md, "QuantSpec").
+(`_weight_int8pack_mm`) run slower than our fp32 kernel on a CPU at one row (docs/qwen.md, "QuantSpec: self-speculation").
 
 Weights: int8 per output channel, symmetric (scale = absmax(row) / 127); the input rows are quantised to uint8 per
 call over their own min and max (full 8-bit range), the product accumulated in int32, then scaled back to fp32.

@@ -31,7 +31,7 @@ def plain_weight(layer: Packable) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """A linear layer's int8 copy: the packed weight (kernels/dynamic_int8.pack, bias included) and nothing else.
+    """A linear layer's int8 copy: the packed weight (kernels.dynamic_int8.pack, bias included) and nothing else.
     `weight` is a meta tensor of the original's shape and dtype, as a lean layer's: the model's dtype reads it."""
 
     def __init__(self, layer: Packable):

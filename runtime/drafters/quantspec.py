@@ -14,16 +14,24 @@ engine's cache, and at the contexts a CPU serves, the draft's own cache costs on
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
+import torch
 from torch import Tensor
 
 from runtime.drafters.lm import LMDrafter
+from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import DrafterKind
+from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.tree import DraftTree
 from runtime.target.model import Taps, Transformer
 from runtime.target.quantized_copy import SCHEME, Int8Transformer, int8_copy
 
 KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper plane
+# threads a draft forward runs on: one ran the 1.5B's int8 forward in 84 ms against 217 ms on two, beside another job
+# (docs/qwen.md, "QuantSpec: self-speculation")
+DRAFT_THREADS = 1
 _COPIES: "weakref.WeakKeyDictionary[Transformer, Int8Transformer]" = weakref.WeakKeyDictionary()
 
 
@@ -46,6 +54,22 @@ class QuantSpecDrafter(LMDrafter):
         self.tree = None
         self.attention = None
         self.taps = Taps(attention_layers=tuple(range(draft.config.n_layers)))
+
+    def propose(self, budget: DraftBudget, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        with threads(DRAFT_THREADS):
+            return super().propose(budget, params, generator)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads at most `n` inside, as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(n, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_config(config: dict) -> None:

@@ -32,7 +32,7 @@ def plain_weight(layer: Packable) -> Tensor:
 
 class Int8Linear(nn.Module):
     """A linear layer's int8 copy: the packed weight (kernels.dynamic_int8.pack, bias included) and nothing else.
-    `weight` is a meta tensor of the original's shape and dtype, as a lean layer's: the model's dtype reads it."""
+    `weight` is a meta tensor of the original's shape and dtype, as a lean layer's (its readers want the shape)."""
 
     def __init__(self, layer: Packable):
         super().__init__()

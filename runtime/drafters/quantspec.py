@@ -29,7 +29,7 @@ from runtime.target.model import Taps, Transformer
 from runtime.target.quantized_copy import SCHEME, Int8Transformer, int8_copy
 
 KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper plane
-# threads a draft forward runs on: one ran the 1.5B's int8 forward in 84 ms against 217 ms on two, beside another job
+# threads a draft forward runs on: one ran the int8 forward well under half the time two took on a shared 2-core host
 # (docs/qwen.md, "QuantSpec: self-speculation")
 DRAFT_THREADS = 1
 _COPIES: "weakref.WeakKeyDictionary[Transformer, Int8Transformer]" = weakref.WeakKeyDictionary()

@@ -46,6 +46,7 @@ class LMDrafter(Drafter):
         `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
         self.model = model.eval().requires_grad_(False).pack_for_cpu()
         self.head = pack_for_cpu(DraftHead(model.output.weight, keep_ids))
+        self.vocab: DraftHead | None = self.head  # what the head's rows are over (grow_tree's vocab)
         self.vocab_size = self.head.vocab_size
         self.cache = model.new_cache(1, max_len)
         self.pending: list[Tensor] = []  # committed tokens not yet in the cache; the last one is the root
@@ -101,7 +102,7 @@ class LMDrafter(Drafter):
             return tree_probs(head(o.hidden[0]), params)
 
         root = tree_probs(head(out.hidden[0, -1]), params)
-        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=head)
+        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=self.vocab)
         self.attention = weights
         return tree
 

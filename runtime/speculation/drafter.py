@@ -110,6 +110,7 @@ class DrafterKind:
 
     name: ClassVar[str]
     weighted: ClassVar[bool] = True  # trained weights; False: built from its config alone
+    calibrates: ClassVar[bool] = True  # calibrate picks its KV scheme and draft budget (weightless kinds too)
     attends: ClassVar[bool] = False  # its attention can select the target's keys (SpecAttn's layer map)
     module_type: ClassVar[type | None] = None  # the class of its trained module; None: weightless
     onnx_inputs: ClassVar[tuple[str, ...]] = ()  # its ONNX step's input and output names; (): no ONNX step

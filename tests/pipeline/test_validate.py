@@ -315,3 +315,18 @@ def test_validate_fails_the_gate_when_speculation_changes_greedy_output(exported
     assert rec["status"] == "gate_failed" and "require_lossless" in rec["message"]
     m = json.loads((exported.stage_dir("validate") / REPORT_JSON).read_text())["metrics"]
     assert m["lossless"] is False and m["lossy_prompts"] >= 1
+
+
+def test_a_quantspec_bundle_holds_no_weights_and_validates_lossless(tmp_path, tiny_llama_dir):
+    from runtime.drafters import get_kind
+
+    config = get_kind("quantspec").config(None, 0, None)
+    store = _prepared_store(tmp_path, tiny_llama_dir,
+                            {"drafter_config.json": lambda p: p.write_text(json.dumps(config))})
+    cfg = _config(drafter={"kind": "quantspec", "depth": 3, "width": 1, "nodes": 3})
+    run_stage_on(store, "export", cfg, tiny_llama_dir, run_export)
+    bundle = store.stage_dir("export") / "bundle"
+    assert {p.name for p in bundle.iterdir()} == {"drafter_config.json", MANIFEST}
+    rec = run_stage_on(store, "validate", cfg, tiny_llama_dir, run_validate)
+    m = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())["metrics"]
+    assert rec["status"] == "completed" and m["lossless"] is True and m["tau"] > 1.0

@@ -99,12 +99,26 @@ def budget_prompts(num_validate: int, ctx: CalibrateContext, s: CalibrateSetting
         s.budget_prompts)
 
 
+def weight_quant(out: Path, target: Transformer, config: dict, tensors: dict, probe: TauProbe,
+                 c) -> tuple[dict, dict, str]:
+    """The drafter weights' scheme (weights.py): calibrate's outputs, metrics and message so far."""
+    quant = calibrate_quant(out, target, config, tensors, probe, list(c.weight_schemes), c.tau_tolerance)
+    outputs = {"quant": "quant.json"}
+    if quant["chosen"] != "fp32":
+        outputs["quant_weights"] = "quant.safetensors"
+    metrics = {"fp32_tau": quant["fp32_tau"], "quant_bytes_ratio": next(
+        (c["bytes"] / quant["fp32_bytes"] for c in quant["candidates"] if c["scheme"] == quant["chosen"]), 1.0)}
+    metrics.update({f"tau_{c['scheme']}": c["tau"] for c in quant["candidates"] if "tau" in c})
+    return outputs, metrics, f"quant: {quant['chosen']} (fp32 tau {quant['fp32_tau']:.2f}); "
+
+
 def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     distill = ctx.input("distill")
     config = json.loads((distill / "drafter_config.json").read_text())
     kind = get_kind(config["kind"])
     if not kind.weighted:
         (ctx.out / "quant.json").write_text(json.dumps({"chosen": NOT_APPLICABLE, "candidates": []}) + "\n")
+    if not kind.calibrates:
         return ctx.result({"quant": "quant.json"}, {},
                           f"{kind.name} drafter has no weights: quantisation and layer map not applicable")
     c, v = ctx.cfg.calibrate, ctx.cfg.validate
@@ -128,9 +142,9 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
             max_seq_len=target.max_seq_len, precision=v.precision)
         bar.update()
         bar.set_postfix_str("drafter")
-        tensors = load_file(str(distill / "drafter.safetensors"))
-        model = drafter_module(config, target, tensors)
-        timed_model = model if timed is target else drafter_module(config, timed, tensors)
+        tensors = load_file(str(distill / "drafter.safetensors")) if kind.weighted else {}
+        model = drafter_module(config, target, tensors) if kind.weighted else None
+        timed_model = model if timed is target or model is None else drafter_module(config, timed, tensors)
         bar.update()
         bar.set_postfix_str("validation rows")
         val = ctx.validation_set()
@@ -139,22 +153,18 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     if not prompts:
         raise ValueError("calibrate: the validation split has no row with a prompt before its assistant turn")
     probe = ctx.tau_probe(prompts, s.tau_new_tokens)
-    quant = calibrate_quant(ctx.out, target, config, tensors, probe, list(c.weight_schemes), c.tau_tolerance)
-    outputs = {"quant": "quant.json"}
-    if quant["chosen"] != "fp32":
-        outputs["quant_weights"] = "quant.safetensors"
-    metrics = {"fp32_tau": quant["fp32_tau"], "quant_bytes_ratio": next(
-        (c["bytes"] / quant["fp32_bytes"] for c in quant["candidates"] if c["scheme"] == quant["chosen"]), 1.0)}
-    metrics.update({f"tau_{c['scheme']}": c["tau"] for c in quant["candidates"] if "tau" in c})
-    message = f"quant: {quant['chosen']} (fp32 tau {quant['fp32_tau']:.2f}); "
 
     def drafter_on(t: Transformer, module):
         return served_drafter(config, module, t, tensors)
 
+    outputs, metrics, message = (weight_quant(ctx.out, target, config, tensors, probe, c) if kind.weighted else
+                                 ({"quant": "quant.json"}, {}, f"{kind.name} drafter has no weights to quantise; "))
+
     rows = calibration_rows(val, c.prompts, c.tokens)
     # KV schemes and SpecAttn pay off as the context grows: calibrate.context measures them there. Both compare
     # with the drafter's dense tau by their probe: fp32_tau is that of the short one
-    long_ids, long_probe, dense_tau = None, probe, quant["fp32_tau"]
+    long_ids, long_probe = None, probe
+    dense_tau = metrics["fp32_tau"] if kind.weighted else probe.measure(target, drafter_on(target, model))["tau"]
     if c.context:
         long_ids = long_rows(val, c.prompts, c.context)
         long_probe = ctx.tau_probe(long_prompts(val, prompts, c.context), s.tau_new_tokens)

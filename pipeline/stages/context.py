@@ -28,19 +28,25 @@ class StageContext:
         """An earlier stage's finished output dir (the graph already checked it exists)."""
         return self.store.stage_dir(stage)
 
-    def load_target(self, max_seq_len: int | None = None, precision: str = "fp32"):
+    def load_target(self, max_seq_len: int | None = None, precision: str = "fp32", plain_blocks: tuple[int, ...] = ()):
         """The target on the CPU with a cache of max_seq_len (default: 2048, or the model's context if shorter);
-        precision auto|fp32|bf16 (runtime.target.precision: auto is bf16 where bf16 is fast)."""
+        precision auto|fp32|bf16 (runtime.target.precision: auto is bf16 where bf16 is fast). Lean: one copy of each
+        block weight, read and packed block by block (stages only run it forward), but in `plain_blocks`, whose
+        plain weights a drafter's initialisation copies."""
         import torch
 
+        from pipeline.host_memory import release_freed_memory
         from runtime.target.loading import from_pretrained
         from runtime.target.model import ModelConfig
         from runtime.target.precision import float_dtype
 
         if max_seq_len is None:
             max_seq_len = min(2048, ModelConfig.from_dir(self.target_dir).max_position_embeddings)
-        return from_pretrained(self.target_dir, max_seq_len=max_seq_len,
-                                           dtype=float_dtype(precision, torch.device("cpu")))
+        target = from_pretrained(self.target_dir, max_seq_len=max_seq_len,
+                                 dtype=float_dtype(precision, torch.device("cpu")), lean=True,
+                                 plain_blocks=plain_blocks)
+        release_freed_memory()  # the load's buffers and the plain weights lean packing let go
+        return target
 
     def configured_budget(self):
         """The largest draft budget the run allows (drafter.depth/width/nodes and its lookup branch)."""

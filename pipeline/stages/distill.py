@@ -47,6 +47,17 @@ def build(ctx: StageContext, target, keep_ids):
         raise DraftsmithError(str(e)) from None
 
 
+def distill_target(ctx: StageContext):
+    """The target as distill holds it: fp32 whatever distill.precision says (the drafter starts as part of the target
+    and trains in its dtype, under bf16 autocast where distill.precision asks), lean but for the blocks the recipe's
+    initialisation copies."""
+    from runtime.target.model import ModelConfig
+    from train.recipes import get_recipe
+
+    n_layers = ModelConfig.from_dir(ctx.target_dir).n_layers
+    return ctx.load_target(plain_blocks=get_recipe(ctx.cfg.drafter.kind).target_blocks(ctx.cfg.drafter, n_layers))
+
+
 def run_distill(ctx: StageContext) -> StageResult:
     import torch
     from safetensors.torch import save_file
@@ -67,7 +78,7 @@ def run_distill(ctx: StageContext) -> StageResult:
         (ctx.out / "drafter_config.json").write_text(json.dumps(kind.config(None, 0, d), indent=2) + "\n")
         return StageResult(outputs={"config": "drafter_config.json"}, message=f"{d.kind} drafter: nothing to train")
     prep = ctx.input("prepare")
-    target = ctx.load_target()
+    target = distill_target(ctx)
     train_set = TokenizedSet.load(prep / "train.safetensors")
     keep = None
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:

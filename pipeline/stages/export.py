@@ -82,7 +82,8 @@ def onnx_checked(bundle_dir: Path, fingerprint: str, target_dir: Path, out: Path
     bundle = read_bundle(bundle_dir, fingerprint)
     if not get_kind(bundle.kind).onnx_inputs:
         raise DraftsmithError(f"export.onnx: drafter kind {bundle.kind!r} has no ONNX step (set export.onnx=false)")
-    target = from_pretrained(target_dir, max_seq_len=64)
+    # lean: a drafter module reads only the target's embedding and head, which a lean load keeps plain
+    target = from_pretrained(target_dir, max_seq_len=64, lean=True)
     # the trained module as the bundle reader rebuilds it, before the runtime prepacks its weights for CPU
     config, tensors = bundle_weights(bundle, target.dtype)
     module = drafter_module(config, target, tensors, max_len=64)
@@ -107,7 +108,7 @@ def engine_exports(ctx: StageContext, bundle_dir: Path, fingerprint: str) -> dic
     bundle = read_bundle(bundle_dir, fingerprint)
     if not get_kind(bundle.kind).weighted:
         return {}
-    target = from_pretrained(ctx.target_dir, max_seq_len=64)
+    target = from_pretrained(ctx.target_dir, max_seq_len=64, lean=True)  # as in onnx_checked
     config, tensors = bundle_weights(bundle, target.dtype)  # a quantised bundle's weights as the reader restores them
     depth = bundle.served_budget(ctx.configured_budget()).tree.depth  # what the engine is told to draft
     return write_engine_exports(bundle.kind, drafter_module(config, target, tensors, max_len=64),

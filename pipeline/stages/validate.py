@@ -2,7 +2,8 @@
 
 Every number comes from one process on the same prompts: our speculative engine, our autoregressive engine
 (the same model, cache and verifier without a drafter) and HF transformers `generate`, each warmed up once
-before timing; for an lm drafter also HF assisted generation (`generate(assistant_model=...)`, HF's own
+before timing; HF's methods first, in a phase of their own (its model is freed before ours loads), ours after,
+back to back on each prompt; for an lm drafter also HF assisted generation (`generate(assistant_model=...)`, HF's own
 speculative decoding) driving the same drafter LM converted to an HF model, and for a bundle that drafts with
 the n-gram lookup branch also HF prompt lookup decoding (`generate(prompt_lookup_num_tokens=...)`, HF's own
 drafter-free counterpart of that branch). Greedy losslessness (speculative
@@ -112,15 +113,14 @@ def gate_reasons(metrics: dict, gate: GateCfg, sparse: bool = False) -> list[str
 
 
 def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[float]) -> dict:
-    """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts."""
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.bench.harness import device_name, fitting_context, hf_generate
+    """Per temperature: each method's Timed numbers, plus the bundle's kind and the device facts. HF's methods run
+    first, in a phase of their own (pipeline.bench.harness.with_hf): HF's model is freed before ours loads, so the
+    two are never resident together."""
+    from pipeline.bench.harness import device_name, fitting_context, with_hf
     from pipeline.sources import target_fingerprint
     from runtime.bundle_reader import read_bundle
-    from runtime.drafters import get_kind
     from runtime.serving.served_engine import served_engine
+    from runtime.target.precision import float_dtype
 
     bundle = read_bundle(ctx.input("export") / "bundle", target_fingerprint(ctx.target_dir))  # refuses tampering
     v, configured = ctx.cfg.validate, ctx.configured_budget()
@@ -128,42 +128,64 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     longest = max(served_budget.tree.max_nodes, configured.tree.max_nodes + configured.lookup)
     limit = fitting_context(ctx.target_dir, prompts, v.max_new_tokens)  # a clear error for a prompt too long
     max_seq_len = min(limit, max(map(len, prompts)) + v.max_new_tokens + longest + 1)
+    stop_ids, seed = ctx.stop_ids(), ctx.cfg.run.seed
+    dtype = float_dtype(v.precision, torch.device("cpu"))
+    hf_timed = with_hf(ctx.target_dir, dtype, "cpu", lambda hf: timed_phase(
+        hf_methods(hf, bundle, served_budget.lookup, dtype, v.max_new_tokens, stop_ids), prompts, temperatures, seed,
+        v.repeats, "validate: HF"))
     target = ctx.load_target(max_seq_len, v.precision)
-    hf = AutoModelForCausalLM.from_pretrained(ctx.target_dir, dtype=target.dtype).eval()
-    stop_ids = ctx.stop_ids()
     served = served_engine(bundle, target, max_seq_len, fallback=configured)  # what serving runs on this device
     engines = {"spec": served.engine, "ar": served.plain()}
-
-    def ours(engine: Engine) -> Generate:
-        def run(ids, params, gen):
-            out = engine.generate(ids, v.max_new_tokens, params, gen, stop_ids)
-            return out.tokens, out.metrics
-        return run
-
-    methods: dict[str, Generate] = {name: ours(e) for name, e in engines.items()}
-    methods["hf"] = lambda ids, params, gen: (hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen), None)
-    assistant = get_kind(bundle.kind).hf_assistant(served.engine.drafter)
-    if assistant is not None:  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
-        methods[ASSISTED] = lambda ids, params, gen: (
-            hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, assistant=assistant), None)
-    if served.engine.lookup is not None:  # the engine drafts with the lookup branch
-        methods[LOOKUP] = lambda ids, params, gen: (
-            hf_generate(hf, ids, v.max_new_tokens, params, stop_ids, gen, prompt_lookup=served.budget.lookup), None)
-    # warm-up on a whole generation: allocator, kernels, caches, the tree-verify path
-    for run in tqdm(list(methods.values()), desc="validate: warm-up", unit="method"):
-        run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
-    seed = ctx.cfg.run.seed
-    timed = {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, v.repeats, f"validate: T={t:g}")
-             for t in temperatures}
+    timed = timed_phase({name: ours(e, v.max_new_tokens, stop_ids) for name, e in engines.items()}, prompts,
+                        temperatures, seed, v.repeats, "validate")
+    timed = {t: {**timed[t], **hf_timed[t]} for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
     full = served_engine(bundle, target, max_seq_len, budget=configured, speed_check=False).engine
-    configured_tree = time_methods({"full": ours(full)}, prompts, SamplingParams(), seed,
+    configured_tree = time_methods({"full": ours(full, v.max_new_tokens, stop_ids)}, prompts, SamplingParams(), seed,
                                    desc="validate: the configured tree")["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),
             "budget": budget_dict(engines["spec"]), "timed": timed,
             "sparse": None if served.engine.cfg.sparse is None else asdict(served.engine.cfg.sparse),
             "configured_tree": {"budget": budget_dict(full), "timed": configured_tree}}
+
+
+def ours(engine: Engine, max_new_tokens: int, stop_ids: tuple[int, ...]) -> Generate:
+    def run(ids, params, gen):
+        out = engine.generate(ids, max_new_tokens, params, gen, stop_ids)
+        return out.tokens, out.metrics
+    return run
+
+
+def hf_methods(hf, bundle, lookup: int, dtype: torch.dtype, max_new_tokens: int,
+               stop_ids: tuple[int, ...]) -> dict[str, Generate]:
+    """HF generate on `hf`, and its peers where the bundle has them: HF assisted generation with the bundle's drafter
+    LM, HF prompt lookup of `lookup` tokens where the engine drafts with the lookup branch."""
+    from pipeline.bench.harness import hf_generate
+    from runtime.drafters import get_kind, hf_assistant
+
+    methods: dict[str, Generate] = {
+        "hf": lambda ids, params, gen: (hf_generate(hf, ids, max_new_tokens, params, stop_ids, gen), None)}
+    assistant = hf_assistant(bundle, dtype)
+    if assistant is not None:  # HF's defaults decide how far the assistant drafts (num_assistant_tokens & co)
+        methods[ASSISTED] = lambda ids, params, gen: (
+            hf_generate(hf, ids, max_new_tokens, params, stop_ids, gen, assistant=assistant), None)
+    if lookup and get_kind(bundle.kind).weighted:  # the engine's lookup branch drafts beside a weighted drafter
+        methods[LOOKUP] = lambda ids, params, gen: (
+            hf_generate(hf, ids, max_new_tokens, params, stop_ids, gen, prompt_lookup=lookup), None)
+    return methods
+
+
+def timed_phase(methods: dict[str, Generate], prompts: list[list[int]], temperatures: list[float], seed: int,
+                repeats: int, desc: str) -> dict[float, dict[str, Timed]]:
+    """Each temperature's time_methods of `methods`, after a warm-up of each on a whole generation (allocator,
+    kernels, caches, the tree-verify path); progress bars named `desc`."""
+    from tqdm import tqdm
+
+    for run in tqdm(list(methods.values()), desc=f"{desc}: warm-up", unit="method"):
+        run(prompts[0], SamplingParams(), torch.Generator().manual_seed(0))
+    return {t: time_methods(methods, prompts, SamplingParams(temperature=t), seed, repeats, f"{desc}: T={t:g}")
+            for t in temperatures}
 
 
 def greedy_tau(engine: Engine, prompts: list[list[int]], max_new_tokens: int, stop_ids: tuple[int, ...], seed: int,

@@ -59,7 +59,12 @@ def drafter_module(config: dict, target: Transformer, tensors: dict[str, torch.T
                    max_len: int | None = None) -> nn.Module:
     """The trained module of a drafter (eval mode, the target's dtype and device) from its config and tensors."""
     kind, max_len = get_kind(config["kind"]), max_len or target.max_seq_len + TREE_ROOM
-    module = kind.module(config, target, max_len, tensors.get(DRAFT_VOCAB))
+    module = with_weights(kind, kind.module(config, target, max_len, tensors.get(DRAFT_VOCAB)), tensors)
+    return module.to(device=target.device, dtype=target.dtype).eval()
+
+
+def with_weights(kind: DrafterKind, module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """`module` with the trained `tensors` loaded; ValueError where they do not fit it."""
     weights = {k: v for k, v in tensors.items() if k != DRAFT_VOCAB}
     missing, unexpected = module.load_state_dict(weights, strict=False)
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -67,7 +72,22 @@ def drafter_module(config: dict, target: Transformer, tensors: dict[str, torch.T
     if missing or unexpected:
         raise ValueError(f"weights do not fit a {kind.name} drafter (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")
-    return module.to(device=target.device, dtype=target.dtype).eval()
+    return module
+
+
+def hf_assistant(bundle: Bundle, dtype: torch.dtype) -> nn.Module | None:
+    """The HF causal LM that HF assisted generation drives as the bundle's drafter, in `dtype` on the CPU, from the
+    bundle alone (validate times HF while our target is not loaded); None for kinds without one."""
+    kind = get_kind(bundle.kind)
+    module = kind.hf_assistant(bundle.drafter_config)
+    if module is None:
+        return None
+    config, tensors = bundle_weights(bundle, dtype)
+    try:
+        module = with_weights(kind, module, tensors)
+    except ValueError as e:  # weights that do not describe its kind
+        raise BundleError(f"bundle {bundle.dir}: {e}") from None
+    return kind.hf_causal_lm(module.to(dtype).eval())
 
 
 def served_drafter(config: dict, module: nn.Module | None, target: Transformer, tensors: dict[str, torch.Tensor],

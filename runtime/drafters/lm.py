@@ -46,6 +46,7 @@ class LMDrafter(Drafter):
         `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
         self.model = model.eval().requires_grad_(False).pack_for_cpu()
         self.head = pack_for_cpu(DraftHead(model.output.weight, keep_ids))
+        self.vocab: DraftHead | None = self.head  # what the head's rows are over (grow_tree's vocab)
         self.vocab_size = self.head.vocab_size
         self.cache = model.new_cache(1, max_len)
         self.pending: list[Tensor] = []  # committed tokens not yet in the cache; the last one is the root
@@ -101,7 +102,7 @@ class LMDrafter(Drafter):
             return tree_probs(head(o.hidden[0]), params)
 
         root = tree_probs(head(out.hidden[0, -1]), params)
-        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=head)
+        tree = grow_tree(root, expand, budget, params, generator, keep_q=not params.greedy, vocab=self.vocab)
         self.attention = weights
         return tree
 
@@ -149,10 +150,13 @@ class LMKind(DrafterKind):
         o = module(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
         return torch.stack([o.attention[i][0] for i in taps.attention_layers])
 
-    def hf_assistant(self, drafter):
+    def hf_assistant(self, config):
+        return Transformer(LMConfig.from_dict(config).model, 1)  # HF's model has its own rotary tables: ours go unused
+
+    def hf_causal_lm(self, module):
         from runtime.target.loading import hf_causal_lm
 
-        return hf_causal_lm(drafter.model)
+        return hf_causal_lm(module)
 
 
 KIND = LMKind()

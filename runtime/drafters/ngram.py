@@ -246,6 +246,7 @@ class NgramDrafter(Drafter, Corpus):
 class NgramKind(DrafterKind):
     name = "ngram"
     weighted = False
+    calibrates = False
 
     def config(self, module, draft_vocab, settings):
         return {"kind": self.name, "max_ngram": settings.max_ngram}

@@ -110,6 +110,7 @@ class DrafterKind:
 
     name: ClassVar[str]
     weighted: ClassVar[bool] = True  # trained weights; False: built from its config alone
+    calibrates: ClassVar[bool] = True  # calibrate picks its KV scheme and draft budget (weightless kinds too)
     attends: ClassVar[bool] = False  # its attention can select the target's keys (SpecAttn's layer map)
     module_type: ClassVar[type | None] = None  # the class of its trained module; None: weightless
     onnx_inputs: ClassVar[tuple[str, ...]] = ()  # its ONNX step's input and output names; (): no ONNX step
@@ -162,6 +163,11 @@ class DrafterKind:
         engine is told to propose."""
         return {}
 
-    def hf_assistant(self, drafter: Drafter) -> nn.Module | None:
-        """An HF causal LM driving the same drafter, for HF assisted generation as validate's peer; None."""
+    def hf_assistant(self, config: dict) -> nn.Module | None:
+        """For HF assisted generation as validate's peer: the untrained module of `config`, built without the
+        target, whose trained weights make an HF causal LM (hf_causal_lm); None where the kind has none."""
         return None
+
+    def hf_causal_lm(self, module: nn.Module) -> nn.Module:
+        """The HF causal LM with a trained hf_assistant module's weights."""
+        raise self.unsupported("HF assistant")

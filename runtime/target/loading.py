@@ -180,9 +180,11 @@ def llama_layer_config(cfg: ModelConfig, dtype: torch.dtype, n_layers: int = 1) 
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
-                    device: torch.device | str = "cpu", lean: bool = False) -> Transformer:
+                    device: torch.device | str = "cpu", lean: bool = False,
+                    plain_blocks: tuple[int, ...] = ()) -> Transformer:
     """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels; `lean`:
-    for inference only, one copy of each weight (Transformer.pack_for_cpu)."""
+    for inference only, one copy of each weight (Transformer.pack_for_cpu) but in `plain_blocks`, which keep their
+    plain weights beside it (a drafter initialised from those blocks reads them)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
@@ -195,7 +197,9 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
     def place(i: int, layer: dict[str, Tensor]) -> None:  # lean: one block's plain weights at a time
         block = model.layers[i]
         block.load_state_dict(layer, assign=True)
-        pack_for_cpu(block.to(device=device, dtype=dtype).requires_grad_(False), lean=True)
+        block.to(device=device, dtype=dtype).requires_grad_(False)
+        if i not in plain_blocks:  # a plain block is packed with the rest, at the end
+            pack_for_cpu(block, lean=True)
 
     rest = load_hf_state_dict(path, cfg, place if lean else None)
     model.load_state_dict(rest, assign=True, strict=not lean)
@@ -207,4 +211,5 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
         part.to(device=device, dtype=dtype)
     if lean:
         model.rope_cos, model.rope_sin = (t.to(device=device, dtype=dtype) for t in (model.rope_cos, model.rope_sin))
-    return model.eval().requires_grad_(False).pack_for_cpu(lean)
+    plain = tuple(m for i in plain_blocks if lean for m in model.layers[i].modules())
+    return model.eval().requires_grad_(False).pack_for_cpu(lean, keep_plain=plain)

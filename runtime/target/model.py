@@ -274,10 +274,10 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.output.weight.device
 
-    def pack_for_cpu(self, lean: bool = False) -> "Transformer":
+    def pack_for_cpu(self, lean: bool = False, keep_plain: tuple[nn.Module, ...] = ()) -> "Transformer":
         """Prepack the matmul weights for the CPU's kernels; `lean`: inference only, one copy of each weight but the
-        head's, which drafters read (runtime.target.cpu_packing.pack_for_cpu)."""
-        return pack_for_cpu(self, lean, keep_plain=(self.output,))
+        head's, which drafters read, and `keep_plain`'s (runtime.target.cpu_packing.pack_for_cpu)."""
+        return pack_for_cpu(self, lean, keep_plain=(self.output, *keep_plain))
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         max_len = max_len or self.max_seq_len

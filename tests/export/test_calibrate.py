@@ -103,6 +103,8 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
         data.save(prep / f"{split}.safetensors")
     if kind == "ngram":
         (distill / "drafter_config.json").write_text(json.dumps({"kind": "ngram", "max_ngram": 4}))
+    elif kind == "quantspec":  # as distill writes a weightless kind's config
+        (distill / "drafter_config.json").write_text(json.dumps(get_kind(kind).config(None, 0, None)))
     elif kind == "lm":  # every target layer: a drafter that attends exactly as the target does
         target = from_pretrained(target_dir, max_seq_len=256)
         lm = lm_recipe.build_lm(target, N_LAYERS, "target")
@@ -323,6 +325,16 @@ def test_ngram_is_not_applicable(tmp_path, target_dir, distilled):
     assert "not applicable" in result.message
     assert json.loads((ctx.out / "quant.json").read_text())["chosen"] == "not applicable"
     assert not (ctx.out / "layer_map.json").exists()
+
+
+def test_quantspec_has_no_weights_to_quantise_but_its_kv_and_budget_are_calibrated(tmp_path, target_dir, distilled):
+    ctx = make_run(tmp_path, target_dir, distilled, kind="quantspec")
+    result = run_calibrate(ctx, FAST)
+    assert json.loads((ctx.out / "quant.json").read_text())["chosen"] == "not applicable"
+    assert json.loads((ctx.out / "kv_quant.json").read_text())["dense_tau"] > 2.0  # the int8 copy agrees
+    budget = json.loads((ctx.out / "draft_budget.json").read_text())
+    assert budget["chosen"]["depth"] >= 1 and budget["sweep"]
+    assert "no weights to quantise" in result.message and not (ctx.out / "layer_map.json").exists()
 
 
 def test_effective_keys_counts_the_keys_a_row_spreads_over():

@@ -75,12 +75,12 @@ def test_the_loop_retrains_on_traffic_from_the_champion_and_promotes_by_its_rule
 
 def test_warm_start_loads_the_registered_drafter_every_hash_checked(loop):
     from pipeline.sources import target_fingerprint
-    from pipeline.stages.distill import build
+    from pipeline.stages.distill import build, distill_target
     from runtime.drafters import bundle_weights
 
     first, warm, store = loop  # first: version 1, the champion the loop started from
     ctx = StageContext(warm, store, store.dir / "unused")
-    target = ctx.load_target()
+    target = distill_target(ctx)  # as distill loads it: lean, the blocks the drafter starts from plain
     _, model, _ = build(ctx, target, None)
     load_warm_start(ctx, first, model, target)
     bundle = read_bundle(fetch_bundle(first), target_fingerprint(ctx.target_dir))

@@ -1,5 +1,6 @@
 """export + validate stages on the tiny target: a verified bundle, measured numbers, the gate, tamper refusal."""
 import json
+import weakref
 
 import pytest
 import torch
@@ -176,6 +177,33 @@ def test_validate_measures_and_passes_the_gate(exported, tiny_llama_dir, capfd):
         {"prompt_ids": prompts, "temperatures": [0.0, 0.8], "max_new_tokens": 12})
 
 
+def test_validate_never_holds_hfs_model_and_ours_together(exported, tiny_llama_dir, monkeypatch):
+    """HF's rows are timed in a phase of their own: when our target loads, no HF model is alive, and when an HF
+    model loads, no target of ours is; ours is loaded lean."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.stages.context import StageContext
+
+    hf, ours, load_hf, load_ours = [], [], AutoModelForCausalLM.from_pretrained, StageContext.load_target
+
+    def hf_loaded(*args, **kwargs):
+        assert not [t for t in ours if t() is not None], "HF's model loaded while ours is resident"
+        hf.append(weakref.ref(model := load_hf(*args, **kwargs)))
+        return model
+
+    def ours_loaded(self, *args, **kwargs):
+        assert not [m for m in hf if m() is not None], "our target loaded while HF's model is resident"
+        ours.append(weakref.ref(target := load_ours(self, *args, **kwargs)))
+        assert target.layers[0].attention.wqkv.lean
+        return target
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", hf_loaded)
+    monkeypatch.setattr(StageContext, "load_target", ours_loaded)
+    rec = run_stage_on(exported, "validate", _config(), tiny_llama_dir, run_validate)
+    assert rec["status"] == "completed" and len(hf) == 1 and len(ours) == 1
+    assert rec["metrics"]["tokens_per_s_hf"] > 0
+
+
 def test_validate_refuses_a_prompt_beyond_the_models_context_in_one_line(exported, tiny_llama_dir):
     # the validation prompts are PROMPT_TOKENS long; the tiny model's context is 256 positions
     cfg = _config(validate={"num_prompts": 2, "max_new_tokens": 250, "temperatures": [0.0]})
@@ -287,3 +315,18 @@ def test_validate_fails_the_gate_when_speculation_changes_greedy_output(exported
     assert rec["status"] == "gate_failed" and "require_lossless" in rec["message"]
     m = json.loads((exported.stage_dir("validate") / REPORT_JSON).read_text())["metrics"]
     assert m["lossless"] is False and m["lossy_prompts"] >= 1
+
+
+def test_a_quantspec_bundle_holds_no_weights_and_validates_lossless(tmp_path, tiny_llama_dir):
+    from runtime.drafters import get_kind
+
+    config = get_kind("quantspec").config(None, 0, None)
+    store = _prepared_store(tmp_path, tiny_llama_dir,
+                            {"drafter_config.json": lambda p: p.write_text(json.dumps(config))})
+    cfg = _config(drafter={"kind": "quantspec", "depth": 3, "width": 1, "nodes": 3})
+    run_stage_on(store, "export", cfg, tiny_llama_dir, run_export)
+    bundle = store.stage_dir("export") / "bundle"
+    assert {p.name for p in bundle.iterdir()} == {"drafter_config.json", MANIFEST}
+    rec = run_stage_on(store, "validate", cfg, tiny_llama_dir, run_validate)
+    m = json.loads((store.stage_dir("validate") / REPORT_JSON).read_text())["metrics"]
+    assert rec["status"] == "completed" and m["lossless"] is True and m["tau"] > 1.0

@@ -23,6 +23,10 @@ class Recipe:
     def build(self, target: Transformer, drafter: Any, distill: Any, keep_ids: Tensor | None) -> nn.Module:
         raise NotImplementedError
 
+    def target_blocks(self, drafter: Any, n_layers: int) -> tuple[int, ...]:
+        """The target's blocks whose plain weights `build` copies (distill loads the others lean: packed only)."""
+        return ()
+
     def loss(self, target: Transformer, drafter: Any, distill: Any, keep_ids: Tensor | None) -> LossFn:
         raise NotImplementedError
 

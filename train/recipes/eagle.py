@@ -125,6 +125,9 @@ class EagleRecipe(Recipe):
     def build(self, target, drafter, distill, keep_ids):
         return build_eagle(target, keep_ids)
 
+    def target_blocks(self, drafter, n_layers):
+        return (n_layers - 1,)  # EagleModel.from_target starts from the last block
+
     def loss(self, target, drafter, distill, keep_ids):
         return eagle_loss(target, distill.noise, distill.ttt_depth or self.ttt_depth, distill.ttt_decay or self.ttt_decay,
                           candidates=distill.token_candidates)

@@ -17,6 +17,9 @@ class Eagle3Recipe(Recipe):
         layers = aux_layers(drafter.aux_layers, target.config.n_layers)
         return Eagle3Model.from_target(target, keep_ids, layers).requires_grad_(True).train()
 
+    def target_blocks(self, drafter, n_layers):
+        return (n_layers - 1,)  # Eagle3Model.from_target starts from the last block
+
     def loss(self, target, drafter, distill, keep_ids):
         return eagle_loss(target, noise=0.0, depth=distill.ttt_depth or self.ttt_depth,
                           decay=distill.ttt_decay or self.ttt_decay, w_feature=0.0, w_token=1.0,

@@ -91,6 +91,11 @@ class LMRecipe(Recipe):
             return build_lm_lora(target, drafter.lm_base, drafter.lora_rank)
         return build_lm(target, drafter.lm_layers, drafter.lm_init)
 
+    def target_blocks(self, drafter, n_layers):
+        # build_lm's init "target" copies the first lm_layers blocks; a LoRA base or a random init reads none
+        return tuple(range(min(drafter.lm_layers, n_layers))) if drafter.lm_init == "target" and not drafter.lm_base \
+            else ()
+
     def loss(self, target, drafter, distill, keep_ids):
         return lm_kd_loss(target, distill.kd_loss, keep_ids)
 

@@ -188,7 +188,7 @@ def _speculation(args):
 
         return Speculation(args.drafter, budget.tree.max_nodes + budget.lookup, build)
     if not Path(args.drafter).is_dir():  # before the target loads
-        raise DraftsmithError(f"--drafter {args.drafter}: expected {' or '.join(map(repr, weightless))} or a bundle "
+        raise DraftsmithError(f"--drafter {args.drafter}: expected {', '.join(map(repr, weightless))} or a bundle "
                               "directory")
     bundle = read_bundle(args.drafter, target_fingerprint(resolve_target(args.target)))
     candidates = [b for b, _ in bundle.device_candidates()] if on_device else []

@@ -5,6 +5,7 @@ API; the DAG retrains on the captured traffic (warm start from the champion, the
 prompts and on the champion's own validate prompts.
 
     python scripts/drift_run.py --workdir DIR [--serve 160] [--fresh 16] [--max-tokens 128] [--clients 4]
+    python scripts/drift_run.py --workdir DIR --compare OLD NEW   # only the measurement, of two registered versions
 
 DIR/runs is the run store and its registry; without a champion there the default pipeline runs first to make one.
 The DAG's scheduler starts once the stream has been served (a 2-core host cannot serve and train at once), so the
@@ -44,6 +45,26 @@ def champion(runs: Path) -> tuple[object, RegisteredBundle]:
         subprocess.run([PIPELINE, "run", f"run.dir={runs}"], check=True)
         ref = aliased(**alias_ref(cfg, CHAMPION))
     return cfg, ref
+
+
+def prompt_sets(cfg, runs: Path, old: RegisteredBundle, fresh_prompts: list[str]) -> dict[str, list[list[int]]]:
+    """The fresh code requests in the chat template, and the old champion's own validate prompts."""
+    from transformers import AutoTokenizer
+
+    from pipeline.sources import resolve_target
+    from pipeline.tokens import encode
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(cfg.target))
+    base_file = runs / version_tag(cfg, old, "run_id") / "validate" / "prompts.jsonl"
+    return {"fresh_code": [encode(tokenizer, t) for t in fresh_prompts],
+            "base": [json.loads(line)["ids"] for line in base_file.read_text().splitlines()]}
+
+
+def registered(cfg, version: int) -> RegisteredBundle:
+    from pipeline.registry import registry_client
+
+    v = registry_client(cfg).get_model_version(cfg.register.model_name, str(version))
+    return RegisteredBundle(v.name, v.version, alias_ref(cfg, CHAMPION)["registry_uri"], v.tags["bundle_sha256"])
 
 
 def version_tag(cfg, ref: RegisteredBundle, tag: str) -> str:
@@ -153,6 +174,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--traffic-share", type=float, default=0.5)
     p.add_argument("--dag-timeout-h", type=float, default=3.0)
+    p.add_argument("--compare", nargs=2, type=int, metavar=("OLD", "NEW"), help="measure these two versions only")
     args = p.parse_args()
     workdir = args.workdir.resolve()
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the DAG's `pipeline`
@@ -161,6 +183,13 @@ def main() -> int:
     cfg, old = champion(runs)
     served_prompts = code_prompts(args.serve, seed=1)
     fresh_prompts = code_prompts(args.fresh, seed=2, avoid=set(served_prompts))
+    if args.compare:
+        old, new = (registered(cfg, v) for v in args.compare)
+        report = {"tau": measure(cfg, {"old": old, "new": new}, prompt_sets(cfg, runs, old, fresh_prompts),
+                                 args.max_tokens)}
+        (workdir / "drift_compare.json").write_text(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1))
+        return 0
     conf = {"traffic": f"sqlite:///{workdir / 'traffic.db'}", "traffic_share": args.traffic_share,
             "warm_start": True, "runs_dir": str(runs), "workdir": str(REPO)}
     report = {"old_champion": int(old.version), "conf": conf}
@@ -179,16 +208,7 @@ def main() -> int:
     new = aliased(**alias_ref(cfg, CHAMPION))
     report["new_champion"] = int(new.version)
     versions = {"old": old} | ({"new": new} if new.version != old.version else {})
-    from pipeline.tokens import encode
-    from transformers import AutoTokenizer
-
-    from pipeline.sources import resolve_target
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target(cfg.target))
-    base_file = runs / version_tag(cfg, old, "run_id") / "validate" / "prompts.jsonl"  # the old champion's
-    sets = {"fresh_code": [encode(tokenizer, t) for t in fresh_prompts],
-            "base": [json.loads(line)["ids"] for line in base_file.read_text().splitlines()]}
-    report["tau"] = measure(cfg, versions, sets, args.max_tokens)
+    report["tau"] = measure(cfg, versions, prompt_sets(cfg, runs, old, fresh_prompts), args.max_tokens)
     (workdir / "drift_run.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return 0

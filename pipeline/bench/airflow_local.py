@@ -1,7 +1,7 @@
 """A real Airflow on 127.0.0.1, for tests and the drift run (scripts/drift_run.py): its own AIRFLOW_HOME with a
 sqlite db, the repository's dags folder serialized into it, and the simple auth manager with one user whose password
-is known. The API server alone leaves a triggered run queued; with `execute` a scheduler and a dag processor run
-beside it (LocalExecutor), so triggered runs are carried out."""
+is known. The API server alone leaves a triggered run queued; one started with `execute` can run a scheduler and a
+dag processor beside it (LocalExecutor, `AirflowServer.executing`), which carry triggered runs out."""
 from __future__ import annotations
 
 import json
@@ -29,6 +29,8 @@ class AirflowServer:
     url: str
     username: str
     password: str
+    home: Path
+    env: dict[str, str]
 
     def token(self) -> str:
         """A JWT for the test user, from /auth/token as any API client gets one."""
@@ -56,6 +58,19 @@ class AirflowServer:
                 raise TimeoutError(f"DAG run {run_id} still {run['state']} after {timeout_s:.0f}s")
             time.sleep(poll_s)
 
+    @contextmanager
+    def executing(self) -> Iterator[None]:
+        """`airflow scheduler` and `airflow dag-processor` while inside: queued runs are carried out (the server must
+        have been started with execute=True, whose environment they share)."""
+        airflow = [sys.executable, "-m", "airflow"]
+        procs = [start(self.home, self.env, self.home / f"{part}.log", [*airflow, part])
+                 for part in ("scheduler", "dag-processor")]
+        try:
+            yield
+        finally:
+            for proc in reversed(procs):
+                stop(proc)
+
 
 def airflow_env(home: Path, port: int | None = None, **variables: str) -> dict[str, str]:
     """The environment every Airflow process of `home` shares; `port`: the API server's, which task runs report to;
@@ -78,9 +93,10 @@ def airflow_env(home: Path, port: int | None = None, **variables: str) -> dict[s
 def airflow_api_server(home: Path, timeout_s: float = 600.0, execute: bool = False,
                        **variables: str) -> Iterator[AirflowServer]:
     """`airflow db migrate`, `airflow dags reserialize`, then `airflow api-server` (one worker, a free port) until
-    /api/v2/monitor/health answers, and with `execute` `airflow scheduler` and `airflow dag-processor`; yields it, and
-    stops them all after. Each step gets `timeout_s`: together they need about 10 s of CPU, which a host busy with
-    other work at a higher priority can stretch to minutes. `variables`: Airflow Variables, as airflow_env."""
+    /api/v2/monitor/health answers; yields it, and stops it after. Each step gets `timeout_s`: together they need
+    about 10 s of CPU, which a host busy with other work at a higher priority can stretch to minutes. `execute`: the
+    server also serves the API task runs report to, and the environment is one a scheduler can run in.
+    `variables`: Airflow Variables, as airflow_env."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "passwords.json").write_text(json.dumps({USER: PASSWORD}))
     (home / "jwt_secret").write_text(secrets.token_hex(32))
@@ -91,17 +107,14 @@ def airflow_api_server(home: Path, timeout_s: float = 600.0, execute: bool = Fal
         if done.returncode != 0:
             raise RuntimeError(f"airflow {' '.join(step)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     log = home / "api-server.log"
-    procs = [start(home, env, log, [*airflow, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers",
-                                    "1", "--apps", "all" if execute else "core"])]
+    proc = start(home, env, log, [*airflow, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                                  "--apps", "all" if execute else "core"])
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(f"{url}/api/v2/monitor/health", procs[0], log, timeout_s)
-        if execute:
-            procs += [start(home, env, home / f"{part}.log", [*airflow, part]) for part in ("scheduler", "dag-processor")]
-        yield AirflowServer(url, USER, PASSWORD)
+        wait_healthy(f"{url}/api/v2/monitor/health", proc, log, timeout_s)
+        yield AirflowServer(url, USER, PASSWORD, home, env)
     finally:
-        for proc in reversed(procs):
-            stop(proc)
+        stop(proc)
 
 
 def start(home: Path, env: dict[str, str], log: Path, argv: list[str]) -> subprocess.Popen:

@@ -146,7 +146,7 @@ def test_bench_refuses_a_bundle_for_another_target(tmp_path):
     res = pipeline("bench", "--drafter", str(tmp_path / "b"), cwd=tmp_path)
     assert res.returncode == 2 and "built for target" in res.stderr and "Traceback" not in res.stderr
     res = pipeline("bench", "--drafter", str(tmp_path / "missing"), cwd=tmp_path)
-    assert res.returncode == 2 and "expected 'ngram' or a bundle directory" in res.stderr
+    assert res.returncode == 2 and "expected 'ngram', 'quantspec' or a bundle directory" in res.stderr
 
 
 @pytest.mark.slow

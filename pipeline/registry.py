@@ -267,10 +267,15 @@ def aliased(name: str, alias: str, registry_uri: str) -> RegisteredBundle | None
         if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
             return None
         raise
-    if "bundle_sha256" not in v.tags:
-        raise DraftsmithError(f"models:/{name}@{alias} (version {v.version}) has no bundle_sha256 tag: not a version "
-                              "`pipeline run --stage register` made")
-    return RegisteredBundle(name, str(v.version), registry_uri, v.tags["bundle_sha256"])
+    return registered_bundle(v, registry_uri, f"models:/{name}@{alias} (version {v.version})")
+
+
+def registered_bundle(version, registry_uri: str, label: str) -> RegisteredBundle:
+    """An MLflow ModelVersion as the loop reads it; one without the lineage tag register writes is a one-line error
+    naming `label`."""
+    if "bundle_sha256" not in version.tags:
+        raise DraftsmithError(f"{label} has no bundle_sha256 tag: not a version `pipeline run --stage register` made")
+    return RegisteredBundle(version.name, str(version.version), registry_uri, version.tags["bundle_sha256"])
 
 
 def fetch_bundle(ref: RegisteredBundle) -> Path:

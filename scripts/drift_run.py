@@ -61,10 +61,11 @@ def prompt_sets(cfg, runs: Path, old: RegisteredBundle, fresh_prompts: list[str]
 
 
 def registered(cfg, version: int) -> RegisteredBundle:
-    from pipeline.registry import registry_client
+    from pipeline.registry import registered_bundle, registry_client
 
-    v = registry_client(cfg).get_model_version(cfg.register.model_name, str(version))
-    return RegisteredBundle(v.name, v.version, alias_ref(cfg, CHAMPION)["registry_uri"], v.tags["bundle_sha256"])
+    name = cfg.register.model_name
+    return registered_bundle(registry_client(cfg).get_model_version(name, str(version)),
+                             alias_ref(cfg, CHAMPION)["registry_uri"], f"models:/{name}/{version}")
 
 
 def version_tag(cfg, ref: RegisteredBundle, tag: str) -> str:
@@ -140,17 +141,16 @@ def measure(cfg, versions: dict[str, RegisteredBundle], prompt_sets: dict[str, l
 
     from pipeline.registry import fetch_bundle
     from pipeline.sources import resolve_target, target_fingerprint
+    from pipeline.stages.context import configured_budget
     from pipeline.stages.validate import greedy_tau
     from pipeline.tokens import generation_stop_ids
     from runtime.bundle_reader import read_bundle
     from runtime.serving.served_engine import served_engine
-    from runtime.speculation.draft_budget import DraftBudget, ServedBudget
     from runtime.target.loading import from_pretrained
     from runtime.target.precision import float_dtype
 
     target_dir = resolve_target(cfg.target)
-    d = cfg.drafter
-    configured = ServedBudget(DraftBudget(depth=d.depth, width=d.width, nodes=d.nodes), lookup=d.lookup)
+    configured = configured_budget(cfg)
     longest = max(len(p) for ids in prompt_sets.values() for p in ids)
     max_seq_len = longest + max_new_tokens + configured.tree.max_nodes + configured.lookup + 1
     target = from_pretrained(target_dir, max_seq_len=max_seq_len,

@@ -50,10 +50,7 @@ class StageContext:
 
     def configured_budget(self):
         """The largest draft budget the run allows (drafter.depth/width/nodes and its lookup branch)."""
-        from runtime.speculation.draft_budget import DraftBudget, ServedBudget
-
-        d = self.cfg.drafter
-        return ServedBudget(DraftBudget(depth=d.depth, width=d.width, nodes=d.nodes), lookup=d.lookup)
+        return configured_budget(self.cfg)
 
     def stop_ids(self) -> tuple[int, ...]:
         """Where the target's generation ends, as HF `generate` stops for it."""
@@ -89,3 +86,11 @@ class StageContext:
 
         path = self.input("distill") / LOOKUP_CORPUS
         return path if path.is_file() else None
+
+
+def configured_budget(cfg):
+    """The largest draft budget `cfg` allows: drafter.depth/width/nodes and its lookup branch."""
+    from runtime.speculation.draft_budget import DraftBudget, ServedBudget
+
+    d = cfg.drafter
+    return ServedBudget(DraftBudget(depth=d.depth, width=d.width, nodes=d.nodes), lookup=d.lookup)

@@ -7,7 +7,7 @@ import json
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import StageResult
 from pipeline.stages.context import StageContext
-from pipeline.stages.warm_start import load_warm_start, warm_start_source
+from pipeline.stages.warm_start import load_warm_start, warm_start_source, warm_start_weights
 from runtime.bundle_reader import LOOKUP_CORPUS
 
 
@@ -62,7 +62,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     import torch
     from safetensors.torch import save_file
 
-    from runtime.drafters import drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
+    from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
     from runtime.drafters.ngram import load_corpus
     from runtime.drafters.shared.draft_head import frequent_token_ids
     from runtime.target.precision import use_bf16
@@ -80,13 +80,15 @@ def run_distill(ctx: StageContext) -> StageResult:
     prep = ctx.input("prepare")
     target = distill_target(ctx)
     train_set = TokenizedSet.load(prep / "train.safetensors")
+    source = warm_start_source(ctx.cfg)
+    warm = warm_start_weights(ctx, source) if source is not None else {}
     keep = None
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:
-        keep = frequent_token_ids(train_set.input_ids, d.draft_vocab)
+        champions = warm.get(DRAFT_VOCAB, torch.arange(target.config.vocab_size)) if warm else None  # none: all
+        keep = frequent_token_ids(train_set.input_ids, d.draft_vocab, fill=champions)
     recipe, model, loss_fn = build(ctx, target, keep)
-    source = warm_start_source(ctx.cfg)
     if source is not None:
-        load_warm_start(ctx, source, model, target)
+        load_warm_start(ctx, source, model, target, warm)
     steps = s.warm_steps if source is not None else s.steps
     spec = TrainSpec(steps=steps, lr=s.lr, warmup=min(s.warmup, steps - 1), weight_decay=s.weight_decay,
                      ckpt_every=s.ckpt_every, eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed,

@@ -3,8 +3,9 @@ weights instead of its kind's initialisation, and trains for `distill.warm_steps
 
 The version's bundle is fetched through the registry and read as serving reads it (the manifest's sha256 against the
 version's tag, every file's hash, the target's fingerprint); calibrate's packed weights are restored first. The draft
-vocabulary is chosen afresh from the new data: a trained head's rows (EAGLE-3's) are carried over for the tokens
-both vocabularies hold, the others start from the target's lm_head as a cold start's do.
+vocabulary is chosen afresh from the new data, and the slots it leaves (a retraining set is small) keep the
+champion's tokens; a trained head's rows (EAGLE-3's) are carried over for the tokens both vocabularies hold, the
+others start from the target's lm_head as a cold start's do.
 """
 from __future__ import annotations
 
@@ -27,33 +28,45 @@ def warm_start_inputs(cfg) -> dict:
     return {"warm_start": alias_ref(cfg, cfg.distill.warm_start)} if cfg.distill.warm_start else {}
 
 
-def load_warm_start(ctx: StageContext, source: RegisteredBundle, model: nn.Module, target) -> None:
-    """Load `source`'s drafter weights into `model` (built by the recipe, for this run's draft vocabulary)."""
+def warm_start_weights(ctx: StageContext, source: RegisteredBundle) -> dict[str, torch.Tensor]:
+    """`source`'s drafter tensors in fp32 (its draft vocabulary among them, if it has one), read as serving reads them."""
     from pipeline.sources import target_fingerprint
     from runtime.bundle_reader import BundleError, read_bundle
-    from runtime.drafters import DRAFT_VOCAB, bundle_weights
+    from runtime.drafters import bundle_weights
 
-    where = f"distill.warm_start={ctx.cfg.distill.warm_start}: models:/{source.name}/{source.version}"
     try:
         bundle = read_bundle(fetch_bundle(source), target_fingerprint(ctx.target_dir))
     except BundleError as e:
-        raise DraftsmithError(f"{where}: {e}") from None
+        raise DraftsmithError(f"{where(ctx, source)}: {e}") from None
     if bundle.kind != ctx.cfg.drafter.kind:
-        raise DraftsmithError(f"{where} is a {bundle.kind} drafter, drafter.kind is {ctx.cfg.drafter.kind}: warm start "
-                              "continues training the same kind")
-    _, tensors = bundle_weights(bundle, torch.float32)
+        raise DraftsmithError(f"{where(ctx, source)} is a {bundle.kind} drafter, drafter.kind is "
+                              f"{ctx.cfg.drafter.kind}: warm start continues training the same kind")
+    return bundle_weights(bundle, torch.float32)[1]
+
+
+def load_warm_start(ctx: StageContext, source: RegisteredBundle, model: nn.Module, target,
+                    tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Load `source`'s drafter weights (`tensors`, when already read) into `model` (built by the recipe, for this
+    run's draft vocabulary)."""
+    from runtime.drafters import DRAFT_VOCAB
+
+    tensors = dict(warm_start_weights(ctx, source) if tensors is None else tensors)
     old_vocab = tensors.pop(DRAFT_VOCAB, None)
     tensors |= carried_head_rows(model, tensors, old_vocab, target.config.vocab_size)
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a shape that differs: another drafter.* setting
-        raise DraftsmithError(f"{where}: its weights do not fit the configured drafter "
+        raise DraftsmithError(f"{where(ctx, source)}: its weights do not fit the configured drafter "
                               f"({str(e).splitlines()[1].strip()}); are drafter.* the champion's?") from None
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = [m for m in missing if not any(params.get(m) is params.get(w) for w in tensors)]  # tied: loaded once
     if missing or unexpected:
-        raise DraftsmithError(f"{where}: its weights do not fit the configured drafter (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}); are drafter.* the champion's?")
+        raise DraftsmithError(f"{where(ctx, source)}: its weights do not fit the configured drafter (missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}); are drafter.* the champion's?")
+
+
+def where(ctx: StageContext, source: RegisteredBundle) -> str:
+    return f"distill.warm_start={ctx.cfg.distill.warm_start}: models:/{source.name}/{source.version}"
 
 
 def carried_head_rows(model: nn.Module, tensors: dict, old_vocab: torch.Tensor | None,

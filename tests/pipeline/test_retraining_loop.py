@@ -130,6 +130,34 @@ def test_distill_continues_from_the_champions_weights(loop):
     assert all(torch.allclose(trained[k].float(), champion[k], atol=1e-5) for k in same_shape)
 
 
+def test_a_warm_start_keeps_the_champions_tokens_in_the_slots_its_data_leaves(loop):
+    """A retraining set holds fewer distinct tokens than the draft vocabulary has slots: they go to the champion's
+    tokens (here all ids: its vocabulary was full), lowest first, not left empty."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from pipeline.runstore import RunStore
+    from pipeline.stages import inputs_digest
+    from runtime.drafters import DRAFT_VOCAB
+    from train.data import TokenizedSet
+
+    _, warm, store = loop
+    seen = torch.unique(TokenizedSet.load(store.stage_dir("prepare") / "train.safetensors").input_ids.long())
+    size = seen.numel() + 5
+    assert size < 96, "the tiny target's 96 ids must leave slots"
+    cfg = warm.model_copy(update={"distill": warm.distill.model_copy(update={"warm_steps": 1}),
+                                  "drafter": warm.drafter.model_copy(update={"draft_vocab": size})})
+    check = RunStore(cfg.run.dir, "warm-vocab")
+    shutil.copytree(store.stage_dir("prepare"), check.stage_dir("prepare"))
+    distill = next(s for s in STAGES if s.name == "distill")
+    digest = inputs_digest(distill, cfg, check)
+    check.run_stage("distill", digest, lambda out: distill.run(StageContext(cfg, check, out, digest)))
+    vocab = load_file(check.stage_dir("distill") / "drafter.safetensors")[DRAFT_VOCAB].long()
+    unseen = torch.tensor([i for i in range(96) if i not in set(seen.tolist())])
+    assert vocab.tolist() == sorted(seen.tolist() + unseen[:5].tolist())
+
+
 def test_carried_head_rows_keep_the_rows_both_vocabularies_hold():
     from torch import nn
 

@@ -57,9 +57,15 @@ class DraftHead(nn.Module, Packable):
         return lut[target_ids]
 
 
-def frequent_token_ids(token_ids: torch.Tensor, size: int, always: torch.Tensor | None = None) -> torch.Tensor:
-    """The `size` most frequent ids in a token stream (plus `always`, e.g. special tokens): a draft vocabulary."""
+def frequent_token_ids(token_ids: torch.Tensor, size: int, always: torch.Tensor | None = None,
+                       fill: torch.Tensor | None = None) -> torch.Tensor:
+    """The `size` most frequent ids in a token stream (plus `always`, e.g. special tokens): a draft vocabulary.
+    Slots the stream leaves (it holds fewer distinct ids) go to `fill`'s ids, lowest first: BPE gives its earliest,
+    commonest merges the lowest ids."""
     counts = torch.bincount(token_ids.long().flatten())
     top = torch.argsort(counts, descending=True, stable=True)[:size]
     top = top[counts[top] > 0]
+    if fill is not None and top.numel() < size:
+        fill = torch.unique(fill.long())
+        top = torch.cat([top, fill[~torch.isin(fill, top)][:size - top.numel()]])
     return torch.unique(top if always is None else torch.cat([top, always.long()]))

@@ -101,6 +101,9 @@ def test_reduced_vocab_head_maps_back():
     assert full.shape == (30,) and full[3] == 0.5 and full.sum() == pytest.approx(1.0)
     assert head.to_draft(torch.tensor([7, 2])).tolist() == [2, -1]
     assert frequent_token_ids(torch.tensor([4, 4, 4, 2, 2, 9]), 2).tolist() == [2, 4]
+    fill = torch.tensor([8, 4, 6, 1])  # the slots the stream leaves take fill's ids not yet chosen, lowest first
+    assert frequent_token_ids(torch.tensor([4, 4, 4, 2, 2, 9]), 5, fill=fill).tolist() == [1, 2, 4, 6, 9]
+    assert frequent_token_ids(torch.tensor([4, 4, 2]), 2, fill=fill).tolist() == [2, 4]  # none left
     with pytest.raises(ValueError, match="draft vocabulary"):
         DraftHead(w, torch.tensor([30]))
 

@@ -41,6 +41,9 @@ def cmd_run(args) -> int:
     store.dir.mkdir(parents=True, exist_ok=True)
     (store.dir / "config.yaml").write_text(dump_config(cfg))
     console.print(f"run [bold]{store.run_id}[/] in {store.dir}")
+    if cfg.expected_minutes and args.stage is None:
+        console.print(f"expected: about {cfg.expected_minutes} minutes for every stage, as measured for this "
+                      f"config (docs/)")
     for stage in stages:
         check_ready(stage, store)
         digest = inputs_digest(stage, cfg, store)

@@ -177,6 +177,7 @@ warnings.filterwarnings("ignore", message='Field name "(validate|register)"', ca
 
 class Config(Section):
     target: str = "smollm2-135m-instruct"
+    expected_minutes: int | None = Field(None, ge=1)  # a full run's measured wall time, said when it starts
     run: RunCfg = RunCfg()
     data: DataCfg = DataCfg()
     drafter: DrafterCfg = DrafterCfg()

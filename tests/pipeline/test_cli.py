@@ -263,9 +263,12 @@ def test_unexpected_stage_failure_is_one_line_and_keeps_the_traceback(tmp_path, 
 
     monkeypatch.setattr(pipeline.stages.prepare, "run_prepare", boom)
     monkeypatch.chdir(tmp_path)
-    assert main(["run", "--stage", "prepare", "--run-id", "r"]) == 1
+    assert main(["run", "--stage", "prepare", "--run-id", "r", "expected_minutes=95"]) == 1
     err = capsys.readouterr().err
     assert "prepare: failed: RuntimeError: disk on fire" in err and "Traceback" not in err
+    assert "expected:" not in err  # one stage: the full run's time would mislead
+    assert main(["run", "--run-id", "full", "expected_minutes=95"]) == 1
+    assert "expected: about 95 minutes" in capsys.readouterr().err
     saved = json.loads((tmp_path / "runs/r/prepare.error.json").read_text())
     assert "in boom" in saved["traceback"] and not (tmp_path / "runs/r/prepare").exists()
 

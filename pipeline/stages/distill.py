@@ -7,15 +7,16 @@ import json
 from pipeline.errors import DraftsmithError
 from pipeline.runstore import StageResult
 from pipeline.stages.context import StageContext
-from pipeline.stages.warm_start import load_warm_start, warm_start_source, warm_start_weights
+from pipeline.stages.warm_start import load_warm_start, warm_start_bundle, warm_start_source, warm_start_weights
 from runtime.bundle_reader import LOOKUP_CORPUS
 
 
-def write_lookup_corpus(ctx: StageContext, vocab_size: int) -> int:
-    """The lookup branch's corpus: the target's answers in the training rows (with their turn headers), where a
-    weighted drafter drafts with the branch and `drafter.lookup_corpus` is on. Returns its tokens (0: none)."""
+def write_lookup_corpus(ctx: StageContext, vocab_size: int, inherited=None) -> int:
+    """The lookup branch's corpus: the target's answers in the training rows (with their turn headers), then the
+    corpus of the bundle warm started from (`inherited`), where a weighted drafter drafts with the branch and
+    `drafter.lookup_corpus` is on. Returns its tokens (0: none)."""
     from runtime.drafters import get_kind
-    from runtime.drafters.ngram import answer_spans, save_corpus
+    from runtime.drafters.ngram import answer_spans, corpus_spans, merged_spans, save_corpus
     from train.data import TokenizedSet
 
     d = ctx.cfg.drafter
@@ -23,6 +24,8 @@ def write_lookup_corpus(ctx: StageContext, vocab_size: int) -> int:
         return 0
     ts = TokenizedSet.load(ctx.input("prepare") / "train.safetensors")
     spans = answer_spans(ts.input_ids, ts.loss_mask, ts.offsets)
+    if inherited is not None and inherited.has(LOOKUP_CORPUS):
+        spans = merged_spans(spans, corpus_spans(inherited.path(LOOKUP_CORPUS))[0])
     save_corpus(ctx.out / LOOKUP_CORPUS, spans, vocab_size)
     return sum(s.numel() for s in spans)
 
@@ -81,7 +84,8 @@ def run_distill(ctx: StageContext) -> StageResult:
     target = distill_target(ctx)
     train_set = TokenizedSet.load(prep / "train.safetensors")
     source = warm_start_source(ctx.cfg)
-    warm = warm_start_weights(ctx, source) if source is not None else {}
+    inherited = warm_start_bundle(ctx, source) if source is not None else None
+    warm = warm_start_weights(inherited) if inherited is not None else {}
     keep = None
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:
         champions = warm.get(DRAFT_VOCAB, torch.arange(target.config.vocab_size)) if warm else None  # none: all
@@ -110,7 +114,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     config = drafter_config(d.kind, model, 0 if keep is None else keep.numel(), d)
     (ctx.out / "drafter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     outputs = {"weights": "drafter.safetensors", "config": "drafter_config.json"}
-    corpus_tokens = write_lookup_corpus(ctx, target.config.vocab_size)
+    corpus_tokens = write_lookup_corpus(ctx, target.config.vocab_size, inherited)
     if corpus_tokens:
         outputs["lookup_corpus"] = LOOKUP_CORPUS
     # measured exactly as the bundle reader will build it: from the saved config and tensors

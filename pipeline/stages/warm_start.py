@@ -5,7 +5,8 @@ The version's bundle is fetched through the registry and read as serving reads i
 version's tag, every file's hash, the target's fingerprint); calibrate's packed weights are restored first. The draft
 vocabulary is chosen afresh from the new data, and the slots it leaves (a retraining set is small) keep the
 champion's tokens; a trained head's rows (EAGLE-3's) are carried over for the tokens both vocabularies hold, the
-others start from the target's lm_head as a cold start's do.
+others start from the target's lm_head as a cold start's do. The lookup corpus keeps the champion's spans after the
+new answers: a retraining set holds a slice of the base data, and the branch would forget the rest.
 """
 from __future__ import annotations
 
@@ -28,11 +29,10 @@ def warm_start_inputs(cfg) -> dict:
     return {"warm_start": alias_ref(cfg, cfg.distill.warm_start)} if cfg.distill.warm_start else {}
 
 
-def warm_start_weights(ctx: StageContext, source: RegisteredBundle) -> dict[str, torch.Tensor]:
-    """`source`'s drafter tensors in fp32 (its draft vocabulary among them, if it has one), read as serving reads them."""
+def warm_start_bundle(ctx: StageContext, source: RegisteredBundle):
+    """`source`'s bundle, read as serving reads it, of the configured drafter kind."""
     from pipeline.sources import target_fingerprint
     from runtime.bundle_reader import BundleError, read_bundle
-    from runtime.drafters import bundle_weights
 
     try:
         bundle = read_bundle(fetch_bundle(source), target_fingerprint(ctx.target_dir))
@@ -41,6 +41,13 @@ def warm_start_weights(ctx: StageContext, source: RegisteredBundle) -> dict[str,
     if bundle.kind != ctx.cfg.drafter.kind:
         raise DraftsmithError(f"{where(ctx, source)} is a {bundle.kind} drafter, drafter.kind is "
                               f"{ctx.cfg.drafter.kind}: warm start continues training the same kind")
+    return bundle
+
+
+def warm_start_weights(bundle) -> dict[str, torch.Tensor]:
+    """The bundle's drafter tensors in fp32, its draft vocabulary among them if it has one."""
+    from runtime.drafters import bundle_weights
+
     return bundle_weights(bundle, torch.float32)[1]
 
 
@@ -50,7 +57,7 @@ def load_warm_start(ctx: StageContext, source: RegisteredBundle, model: nn.Modul
     run's draft vocabulary)."""
     from runtime.drafters import DRAFT_VOCAB
 
-    tensors = dict(warm_start_weights(ctx, source) if tensors is None else tensors)
+    tensors = dict(warm_start_weights(warm_start_bundle(ctx, source)) if tensors is None else tensors)
     old_vocab = tensors.pop(DRAFT_VOCAB, None)
     tensors |= carried_head_rows(model, tensors, old_vocab, target.config.vocab_size)
     try:

@@ -37,6 +37,7 @@ FIRST_ACCEPT, NEXT_ACCEPT = 0.61, 0.87
 # The same for a corpus continuation where the sequence had no match
 CORPUS_FIRST_ACCEPT, CORPUS_NEXT_ACCEPT = 0.55, 0.7
 MAX_NGRAM = 4  # longest suffix matched, by default
+CORPUS_MAX_TOKENS = 1_000_000  # a saved corpus inherited over retrainings stops here (the trie is held in memory)
 
 
 def depth_score(depth: int, first: float = FIRST_ACCEPT, later: float = NEXT_ACCEPT) -> float:
@@ -64,15 +65,36 @@ def save_corpus(path: Path, spans: list[torch.Tensor], vocab_size: int) -> None:
     save_file({"tokens": tokens, "offsets": lengths.cumsum(0)}, str(path), metadata={"vocab_size": str(vocab_size)})
 
 
-def load_corpus(path: Path, max_depth: int) -> NgramDrafter:
-    """The corpus trie of a file save_corpus wrote, holding continuations up to `max_depth` tokens."""
+def corpus_spans(path: Path) -> tuple[list[torch.Tensor], int]:
+    """The spans of a file save_corpus wrote, and its vocabulary size."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         vocab_size, tokens, offsets = int(f.metadata()["vocab_size"]), f.get_tensor("tokens"), f.get_tensor("offsets")
     bounds = offsets.tolist()
-    return NgramDrafter.corpus(vocab_size, [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-                               max_depth=max_depth)
+    return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])], vocab_size
+
+
+def load_corpus(path: Path, max_depth: int) -> NgramDrafter:
+    """The corpus trie of a file save_corpus wrote, holding continuations up to `max_depth` tokens."""
+    spans, vocab_size = corpus_spans(path)
+    return NgramDrafter.corpus(vocab_size, spans, max_depth=max_depth)
+
+
+def merged_spans(newer: list[torch.Tensor], older: list[torch.Tensor],
+                 max_tokens: int = CORPUS_MAX_TOKENS) -> list[torch.Tensor]:
+    """`newer`'s spans, then `older`'s not among them, each once, until `max_tokens`."""
+    seen, out, total = set(), [], 0
+    for span in itertools.chain(newer, older):
+        key = tuple(span.tolist())
+        if key in seen:
+            continue
+        if total + span.numel() > max_tokens:
+            break
+        seen.add(key)
+        out.append(span.long())
+        total += span.numel()
+    return out
 
 
 class Corpus(abc.ABC):

@@ -31,7 +31,7 @@ def loop(tmp_path_factory, server_url, tiny_chat_target):
     """A champion (a cold run on base chats), the traffic it served (captured), and the loop's run on it."""
     tmp = tmp_path_factory.mktemp("loop")
     base = [f"target={tiny_chat_target}", f"run.dir={tmp / 'runs'}", f"data.source={base_chats(tmp / 'chats.jsonl')}",
-            f"register.tracking_uri={server_url}", *dotted(TINY_EAGLE)]
+            f"register.tracking_uri={server_url}", *dotted(TINY_EAGLE), "drafter.lookup=4"]  # with a corpus
     cold = load_config(None, base)
     assert run_pipeline(cold, "champion").record("promote")["metrics"]["promoted"]
     first = aliased(**alias_ref(cold, CHAMPION))
@@ -156,6 +156,20 @@ def test_a_warm_start_keeps_the_champions_tokens_in_the_slots_its_data_leaves(lo
     vocab = load_file(check.stage_dir("distill") / "drafter.safetensors")[DRAFT_VOCAB].long()
     unseen = torch.tensor([i for i in range(96) if i not in set(seen.tolist())])
     assert vocab.tolist() == sorted(seen.tolist() + unseen[:5].tolist())
+
+
+def test_a_warm_start_keeps_the_champions_lookup_corpus_after_the_new_answers(loop):
+    from runtime.drafters.ngram import answer_spans, corpus_spans
+    from train.data import TokenizedSet
+
+    first, _, store = loop
+    champions = read_bundle(fetch_bundle(first))
+    old = [s.tolist() for s in corpus_spans(champions.path("lookup_corpus.safetensors"))[0]]
+    ts = TokenizedSet.load(store.stage_dir("prepare") / "train.safetensors")
+    new = [s.tolist() for s in answer_spans(ts.input_ids, ts.loss_mask, ts.offsets)]
+    kept = [s.tolist() for s in corpus_spans(store.stage_dir("distill") / "lookup_corpus.safetensors")[0]]
+    assert old and new and any(s not in new for s in old)  # the champion's corpus holds answers the new set lacks
+    assert kept == [list(s) for s in dict.fromkeys(map(tuple, new + old))]  # the new first, then the old; each once
 
 
 def test_carried_head_rows_keep_the_rows_both_vocabularies_hold():

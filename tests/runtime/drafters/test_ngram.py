@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from runtime.drafters.ngram import NgramDrafter, answer_spans, load_corpus, save_corpus
+from runtime.drafters.ngram import NgramDrafter, answer_spans, corpus_spans, load_corpus, merged_spans, save_corpus
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.sampling import SamplingParams
@@ -192,3 +192,14 @@ def test_a_saved_corpus_drafts_as_the_one_it_was_saved_from(tmp_path):
         assert sorted(_paths(d.propose(DraftBudget(depth=4, width=2), GREEDY))) == [[7], [7, 8], [7, 8, 9], [30]]
     with pytest.raises(ValueError, match="vocab_size 50"):
         NgramDrafter(50, corpus=load_corpus(tmp_path / "c.safetensors", 3))
+
+
+def test_merged_spans_keep_the_newer_first_each_once_within_the_bound(tmp_path):
+    newer = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    older = [torch.tensor([4, 5]), torch.tensor([7, 8, 9]), torch.tensor([10, 11])]
+    save_corpus(tmp_path / "old.safetensors", older, vocab_size=100)
+    read, vocab = corpus_spans(tmp_path / "old.safetensors")
+    assert vocab == 100 and [s.tolist() for s in read] == [s.tolist() for s in older]
+    merged = merged_spans(newer, read)
+    assert [s.tolist() for s in merged] == [[1, 2, 3], [4, 5], [7, 8, 9], [10, 11]]
+    assert [s.tolist() for s in merged_spans(newer, read, max_tokens=7)] == [[1, 2, 3], [4, 5]]  # [7, 8, 9] would pass 7

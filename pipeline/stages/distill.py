@@ -88,7 +88,8 @@ def run_distill(ctx: StageContext) -> StageResult:
     warm = warm_start_weights(inherited) if inherited is not None else {}
     keep = None
     if d.draft_vocab and d.draft_vocab < target.config.vocab_size:
-        champions = warm.get(DRAFT_VOCAB, torch.arange(target.config.vocab_size)) if warm else None  # none: all
+        # the champion's tokens fill what the data leaves; a champion without a draft vocabulary drafted every id
+        champions = None if inherited is None else warm.get(DRAFT_VOCAB, torch.arange(target.config.vocab_size))
         keep = frequent_token_ids(train_set.input_ids, d.draft_vocab, fill=champions)
     recipe, model, loss_fn = build(ctx, target, keep)
     if source is not None:

@@ -37,9 +37,9 @@ def warm_start_bundle(ctx: StageContext, source: RegisteredBundle):
     try:
         bundle = read_bundle(fetch_bundle(source), target_fingerprint(ctx.target_dir))
     except BundleError as e:
-        raise DraftsmithError(f"{where(ctx, source)}: {e}") from None
+        raise DraftsmithError(f"{source_label(ctx, source)}: {e}") from None
     if bundle.kind != ctx.cfg.drafter.kind:
-        raise DraftsmithError(f"{where(ctx, source)} is a {bundle.kind} drafter, drafter.kind is "
+        raise DraftsmithError(f"{source_label(ctx, source)} is a {bundle.kind} drafter, drafter.kind is "
                               f"{ctx.cfg.drafter.kind}: warm start continues training the same kind")
     return bundle
 
@@ -63,16 +63,16 @@ def load_warm_start(ctx: StageContext, source: RegisteredBundle, model: nn.Modul
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a shape that differs: another drafter.* setting
-        raise DraftsmithError(f"{where(ctx, source)}: its weights do not fit the configured drafter "
+        raise DraftsmithError(f"{source_label(ctx, source)}: its weights do not fit the configured drafter "
                               f"({str(e).splitlines()[1].strip()}); are drafter.* the champion's?") from None
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = [m for m in missing if not any(params.get(m) is params.get(w) for w in tensors)]  # tied: loaded once
     if missing or unexpected:
-        raise DraftsmithError(f"{where(ctx, source)}: its weights do not fit the configured drafter (missing "
+        raise DraftsmithError(f"{source_label(ctx, source)}: its weights do not fit the configured drafter (missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}); are drafter.* the champion's?")
 
 
-def where(ctx: StageContext, source: RegisteredBundle) -> str:
+def source_label(ctx: StageContext, source: RegisteredBundle) -> str:
     return f"distill.warm_start={ctx.cfg.distill.warm_start}: models:/{source.name}/{source.version}"
 
 

@@ -7,6 +7,7 @@ on the fresh code prompts and the old champion's validate prompts, as `drift_run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,18 +17,9 @@ import drift_run  # noqa: E402
 
 
 def main() -> int:
-    import torch
-
-    from pipeline.bench.code_prompts import code_prompts
     from pipeline.registry import fetch_bundle
     from pipeline.sources import resolve_target, target_fingerprint
-    from pipeline.stages.context import configured_budget
-    from pipeline.stages.validate import greedy_tau
-    from pipeline.tokens import generation_stop_ids
     from runtime.bundle_reader import read_bundle
-    from runtime.serving.served_engine import served_engine
-    from runtime.target.loading import from_pretrained
-    from runtime.target.precision import float_dtype
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", required=True, type=Path)
@@ -36,29 +28,17 @@ def main() -> int:
     args = p.parse_args()
     runs = args.workdir.resolve() / "runs"
     cfg, _ = drift_run.champion(runs)
-    served = code_prompts(160, seed=1)  # as drift_run.py's defaults draw them
-    old = drift_run.registered(cfg, args.versions[0])
-    sets = drift_run.prompt_sets(cfg, runs, old, code_prompts(16, seed=2, avoid=set(served)))
-    target_dir, configured = resolve_target(cfg.target), configured_budget(cfg)
-    longest = max(len(p) for ids in sets.values() for p in ids)
-    max_seq_len = longest + args.max_tokens + configured.tree.max_nodes + configured.lookup + 1
-    target = from_pretrained(target_dir, max_seq_len=max_seq_len,
-                             dtype=float_dtype(cfg.validate.precision, torch.device("cpu")))
-    stops = generation_stop_ids(target_dir)
-    bundles = {v: read_bundle(fetch_bundle(drift_run.registered(cfg, v)), target_fingerprint(target_dir))
-               for v in args.versions}
-    corpora = {v: b.lookup_corpus for v, b in bundles.items()}
-    rows = []
-    for drafter_v in args.versions:
-        for corpus_v in args.versions:
-            bundle = bundles[drafter_v]
-            object.__setattr__(bundle, "lookup_corpus", corpora[corpus_v])  # the frozen bundle, one method swapped
-            engine = served_engine(bundle, target, max_seq_len, fallback=configured, speed_check=False).engine
-            rows.append({"drafter": drafter_v, "corpus": corpus_v, **{
-                name: round(greedy_tau(engine, ids, args.max_tokens, stops, cfg.run.seed,
-                                       f"drafter v{drafter_v}, corpus v{corpus_v}, {name}"), 3)
-                for name, ids in sets.items()}})
-    print(json.dumps(rows, indent=1))
+    _, fresh = drift_run.drawn_prompts(160, 16)  # drift_run.py's defaults
+    sets = drift_run.prompt_sets(cfg, runs, drift_run.registered(cfg, args.versions[0]), fresh)
+    fingerprint = target_fingerprint(resolve_target(cfg.target))
+    read = {v: read_bundle(fetch_bundle(drift_run.registered(cfg, v)), fingerprint) for v in args.versions}
+    swapped = {}
+    for d in args.versions:
+        for c in args.versions:
+            bundle = dataclasses.replace(read[d])
+            object.__setattr__(bundle, "lookup_corpus", read[c].lookup_corpus)  # the frozen bundle, one method swapped
+            swapped[f"drafter v{d}, corpus v{c}"] = bundle
+    print(json.dumps(drift_run.bundle_taus(cfg, swapped, sets, args.max_tokens), indent=1))
     return 0
 
 

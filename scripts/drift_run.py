@@ -133,18 +133,35 @@ def serve_stream(cfg, workdir: Path, airflow, conf: dict, prompts: list[str], cl
         stop(proc)
 
 
+def drawn_prompts(serve: int, fresh: int) -> tuple[list[str], list[str]]:
+    """The code requests served (the captured traffic), and the fresh ones the champions are measured on."""
+    served = code_prompts(serve, seed=1)
+    return served, code_prompts(fresh, seed=2, avoid=set(served))
+
+
 def measure(cfg, versions: dict[str, RegisteredBundle], prompt_sets: dict[str, list[list[int]]],
             max_new_tokens: int) -> dict:
     """tau of each version's bundle on each prompt set: greedy, its own served budget, the speed check off, as
     validate measures the champion in the loop."""
-    import torch
-
     from pipeline.registry import fetch_bundle
     from pipeline.sources import resolve_target, target_fingerprint
+    from runtime.bundle_reader import read_bundle
+
+    fingerprint = target_fingerprint(resolve_target(cfg.target))
+    taus = bundle_taus(cfg, {who: read_bundle(fetch_bundle(ref), fingerprint) for who, ref in versions.items()},
+                       prompt_sets, max_new_tokens)
+    return {who: {"version": int(ref.version), **taus[who]} for who, ref in versions.items()}
+
+
+def bundle_taus(cfg, bundles: dict, prompt_sets: dict[str, list[list[int]]], max_new_tokens: int) -> dict:
+    """{who: {prompt set: tau}} of each bundle, greedy with its own served budget and the speed check off, on one
+    target."""
+    import torch
+
+    from pipeline.sources import resolve_target
     from pipeline.stages.context import configured_budget
     from pipeline.stages.validate import greedy_tau
     from pipeline.tokens import generation_stop_ids
-    from runtime.bundle_reader import read_bundle
     from runtime.serving.served_engine import served_engine
     from runtime.target.loading import from_pretrained
     from runtime.target.precision import float_dtype
@@ -156,12 +173,10 @@ def measure(cfg, versions: dict[str, RegisteredBundle], prompt_sets: dict[str, l
     target = from_pretrained(target_dir, max_seq_len=max_seq_len,
                              dtype=float_dtype(cfg.validate.precision, torch.device("cpu")))
     stops, out = generation_stop_ids(target_dir), {}
-    for who, ref in versions.items():
-        bundle = read_bundle(fetch_bundle(ref), target_fingerprint(target_dir))
+    for who, bundle in bundles.items():
         engine = served_engine(bundle, target, max_seq_len, fallback=configured, speed_check=False).engine
-        out[who] = {"version": int(ref.version), **{
-            name: round(greedy_tau(engine, ids, max_new_tokens, stops, cfg.run.seed, f"{who} v{ref.version} on {name}"), 3)
-            for name, ids in prompt_sets.items()}}
+        out[who] = {name: round(greedy_tau(engine, ids, max_new_tokens, stops, cfg.run.seed, f"{who} on {name}"), 3)
+                    for name, ids in prompt_sets.items()}
     return out
 
 
@@ -181,8 +196,7 @@ def main() -> int:
     runs = workdir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     cfg, old = champion(runs)
-    served_prompts = code_prompts(args.serve, seed=1)
-    fresh_prompts = code_prompts(args.fresh, seed=2, avoid=set(served_prompts))
+    served_prompts, fresh_prompts = drawn_prompts(args.serve, args.fresh)
     if args.compare:
         old, new = (registered(cfg, v) for v in args.compare)
         report = {"tau": measure(cfg, {"old": old, "new": new}, prompt_sets(cfg, runs, old, fresh_prompts),

@@ -11,7 +11,7 @@ from rich.table import Table
 from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
 from pipeline.errors import DraftsmithError
 from pipeline.flags import Parser, bounded
-from pipeline.host_memory import keep_freed_memory
+from pipeline.host_memory import keep_freed_memory, release_freed_memory
 from runtime.bundle_reader import BundleError
 
 console = Console(stderr=True)
@@ -63,6 +63,7 @@ def cmd_run(args) -> int:
                               f"{store.error_path(stage.name)})", highlight=False, soft_wrap=True)
                 return 1
             console.print(f"{stage.name}: {rec['status']} in {rec['seconds']:.1f}s  {escape(rec['message'])}")
+            release_freed_memory()  # the stage's target, freed into the heap, is not the next stage's to add to
         if rec["status"] != "completed":
             console.print(f"[red]{stage.name}: {rec['status']}: {escape(rec['message'])}[/]")
             return EXIT_GATE_FAILED if rec["status"] == "gate_failed" else 1

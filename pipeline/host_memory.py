@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before it is returned to the OS
@@ -27,7 +28,9 @@ def keep_freed_memory() -> bool:
 
 def release_freed_memory() -> bool:
     """Hand freed heap pages back to the OS (glibc's malloc_trim): with keep_freed_memory's settings a model's freed
-    load buffers stay resident otherwise. False where the C library is not glibc."""
+    load buffers stay resident otherwise (a stage's whole target, into the next stage). Collects cyclic garbage
+    first, so that what it held is freed too. False where the C library is not glibc."""
+    gc.collect()
     try:
         return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):

@@ -7,7 +7,7 @@ is counted once (as the lm_head; the input embedding reads one row).
 """
 from __future__ import annotations
 
-import gc
+
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -156,9 +156,9 @@ def with_hf(target_dir: str | Path, dtype: torch.dtype, device: str, timed: Call
     are never resident together (`timed` must keep no reference to the model in what it returns)."""
     from transformers import AutoModelForCausalLM
 
+    release_freed_memory()  # what ran before freed into the heap: HF's mapped weights are not to add to it
     result = timed(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval())
-    gc.collect()  # the model was referenced only by timed's frame: its weights go now
-    release_freed_memory()
+    release_freed_memory()  # the model was referenced only by timed's frame: its weights go now
     return result
 
 

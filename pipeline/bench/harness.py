@@ -7,7 +7,6 @@ is counted once (as the lm_head; the input embedding reads one row).
 """
 from __future__ import annotations
 
-
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial

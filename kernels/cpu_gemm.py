@@ -92,6 +92,13 @@ def pack(weight: Tensor) -> Tensor:
     return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+def unpack(panels: Tensor, n: int, ids: Tensor | None = None) -> Tensor:
+    """pack's inverse: the weight [n, K], or only its rows `ids` [R] -> [R, K] (read without the whole copy)."""
+    if ids is None:
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+    return panels[ids // PANEL, :, ids % PANEL]
+
+
 def small_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ weight.T + bias, where panels = pack(weight) and n = weight.shape[0]; meant for a few rows (see
     the table above)."""

@@ -84,7 +84,7 @@ def step_costs(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cu
             positions = context + torch.arange(size, device=dev)[None]
             verify_ms[size] = ms_per_call(lambda: verifier(tokens, positions, None), sync, repeats)
 
-    eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(dev).eval()
+    eagle = EagleModel.from_target(model, DraftHead(model.output)).to(dev).eval()
     draft_cache = eagle.new_cache(1, max_len)
     draft_cache.lengths.fill_(context)  # pairs as if committed: the tree reads them (zeros cost the same)
     tree = StaticEagleTree(eagle, draft_cache, buckets, use_graph=use_graph, compile=compiled)

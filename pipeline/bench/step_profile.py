@@ -167,7 +167,7 @@ def step_profile(name: str, dtype: torch.dtype = torch.bfloat16, device: str = "
     served = ServedBudget.parse(budget)
     max_len = max(cache_len, context + new_tokens + served.tree.max_nodes + served.lookup + 2)
     model = random_models(name, dtype, device, max_len, with_hf=False)[0]
-    eagle = EagleModel.from_target(model, DraftHead(model.output.weight)).to(model.device).eval()
+    eagle = EagleModel.from_target(model, DraftHead(model.output)).to(model.device).eval()
     engine = Engine(model, EagleDrafter(eagle, max_len), EngineConfig(max_seq_len=max_len, static_verify=True,
                                                                         **served.engine_fields()))
     prompt = random_prompts(model.config.vocab_size, 1, seed=0, lengths=(context, context))[0]

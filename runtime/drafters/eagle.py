@@ -78,7 +78,7 @@ class EagleKind(EagleFamily):
         return EagleConfig(draft_vocab).to_dict()
 
     def module(self, config, target, max_len, keep_ids):
-        return EagleModel(target.config, target.tok_embeddings.weight, DraftHead(target.output.weight, keep_ids),
+        return EagleModel(target.config, target.tok_embeddings.weight, DraftHead(target.output, keep_ids),
                           max_len)
 
     def engine_exports(self, module, verifier, speculative_tokens=5):

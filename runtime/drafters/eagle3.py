@@ -87,7 +87,7 @@ class Eagle3Model(EagleBase):
         with its q/k/v reading the fused half and its two residual-branch outputs zeroed, and the head is the
         target's final norm and lm_head rows. Training opens the branches from there."""
         c = target.config
-        head = DraftHead(target.output.weight, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
+        head = DraftHead(target.output, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
         m = Eagle3Model(c, target.tok_embeddings.weight, head, layers, target.max_seq_len)
         last = target.layers[-1]
         with torch.no_grad():
@@ -139,7 +139,7 @@ class Eagle3Kind(EagleFamily):
     def module(self, config, target, max_len, keep_ids):
         c = target.config
         layers = Eagle3Config.from_dict(config, c.n_layers).aux_layers
-        head = DraftHead(target.output.weight, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
+        head = DraftHead(target.output, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
         return Eagle3Model(c, target.tok_embeddings.weight, head, layers, max_len)
 
     def engine_exports(self, module, verifier, speculative_tokens=5):

@@ -45,7 +45,7 @@ class LMDrafter(Drafter):
         """`model` runs inference only from here on: its weights are prepacked for CPU decoding (in place).
         `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
         self.model = model.eval().requires_grad_(False).pack_for_cpu()
-        self.head = pack_for_cpu(DraftHead(model.output.weight, keep_ids))
+        self.head = pack_for_cpu(DraftHead(model.output, keep_ids))
         self.vocab: DraftHead | None = self.head  # what the head's rows are over (grow_tree's vocab)
         self.vocab_size = self.head.vocab_size
         self.cache = model.new_cache(1, max_len)

@@ -93,7 +93,7 @@ class MedusaKind(DrafterKind):
 
     def module(self, config, target, max_len, keep_ids):
         cfg = MedusaConfig(**{k: v for k, v in config.items() if k != "kind"})
-        return MedusaHeads(cfg, DraftHead(target.output.weight, keep_ids))
+        return MedusaHeads(cfg, DraftHead(target.output, keep_ids))
 
     def drafter(self, module, config, target, max_len, keep_ids):
         return MedusaDrafter(module)

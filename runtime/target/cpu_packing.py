@@ -84,6 +84,16 @@ class Packable:
             raise RuntimeError("a lean Linear has no plain weight to unpack to (load it without lean)")
         self.packed = self.panels = None
 
+    def weight_rows(self, ids: Tensor | None = None) -> Tensor:
+        """The plain weight [N, K], or its rows `ids`: read from our kernel's panels where a lean layer keeps only
+        those (an exact copy)."""
+        if not self.weight.is_meta:
+            return self.weight.detach() if ids is None else self.weight.detach()[ids]
+        if self.panels is None:
+            raise ValueError("a lean linear layer packed for oneDNN has no weight to read: load the target without "
+                             "lean (or with fp32 on a CPU our kernel serves)")
+        return cpu_gemm.unpack(self.panels, self.weight.shape[0], ids)
+
     @property
     def own_fp32(self) -> bool:
         return self.panels is not None

@@ -267,17 +267,24 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.output.weight.dtype
+    def dtype(self) -> torch.dtype:  # the embedding's: a lean head's plain weight is a meta tensor
+        return self.tok_embeddings.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.output.weight.device
+        return self.tok_embeddings.weight.device
 
     def pack_for_cpu(self, lean: bool = False, keep_plain: tuple[nn.Module, ...] = ()) -> "Transformer":
-        """Prepack the matmul weights for the CPU's kernels; `lean`: inference only, one copy of each weight but the
-        head's, which drafters read, and `keep_plain`'s (runtime.target.cpu_packing.pack_for_cpu)."""
-        return pack_for_cpu(self, lean, keep_plain=(self.output, *keep_plain))
+        """Prepack the matmul weights for the CPU's kernels; `lean`: inference only, one copy of each weight but
+        `keep_plain`'s (runtime.target.cpu_packing.pack_for_cpu). A lean head keeps its plain weight only where no
+        exact copy can be read back (drafters read its rows: Packable.weight_rows), and a tied one, which is the
+        embedding."""
+        pack_for_cpu(self, lean, keep_plain=(self.output, *keep_plain))
+        head = self.output
+        if lean and head.panels is not None and head not in keep_plain \
+                and head.weight is not self.tok_embeddings.weight:
+            head.weight = nn.Parameter(head.weight.detach().to("meta"), requires_grad=False)
+        return self
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         max_len = max_len or self.max_seq_len

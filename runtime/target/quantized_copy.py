@@ -19,24 +19,13 @@ from runtime.target.model import Transformer
 SCHEME = "int8"  # weights per output channel; activations quantised per call
 
 
-def plain_weight(layer: Packable) -> Tensor:
-    """The fp32 weight [N, K] of a linear layer: its own, or unpacked from our kernel's panels when it is lean."""
-    if not layer.weight.is_meta:
-        return layer.weight.detach()
-    if layer.panels is None:
-        raise ValueError("a lean linear layer packed for oneDNN has no weight to quantise from: load the target "
-                         "without lean (or with fp32 on a CPU our kernel serves)")
-    n, k = layer.weight.shape
-    return layer.panels.transpose(1, 2).reshape(-1, k)[:n]  # cpu_gemm.pack's inverse: panels [P, K, 16]
-
-
 class Int8Linear(nn.Module):
     """A linear layer's int8 copy: the packed weight (kernels.dynamic_int8.pack, bias included) and nothing else.
     `weight` is a meta tensor of the original's shape and dtype, as a lean layer's (its readers want the shape)."""
 
     def __init__(self, layer: Packable):
         super().__init__()
-        w = plain_weight(layer)
+        w = layer.weight_rows()
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False)
         self.packed = dynamic_int8.pack(*dynamic_int8.quantize(w), getattr(layer, "bias", None))
         self.has_bias = layer.bias is not None
@@ -50,14 +39,6 @@ class Int8Linear(nn.Module):
 
 class Int8Transformer(Transformer):
     """A Transformer sharing everything with the one it copies but its linear layers (Int8Linear)."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
 
     def pack_for_cpu(self, lean: bool = False) -> "Int8Transformer":
         return self  # already in its one CPU layout

@@ -111,7 +111,7 @@ def simulated_chain(model: EagleBase, target: Transformer, batches: list[dict], 
 
 
 def build_eagle(target: Transformer, keep_ids: Tensor | None, from_target: bool = True) -> EagleModel:
-    head = DraftHead(target.output.weight, keep_ids)
+    head = DraftHead(target.output, keep_ids)
     if from_target:
         model = EagleModel.from_target(target, head)
     else:

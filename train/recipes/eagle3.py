@@ -23,7 +23,7 @@ class Eagle3Recipe(Recipe):
     def loss(self, target, drafter, distill, keep_ids):
         return eagle_loss(target, noise=0.0, depth=distill.ttt_depth or self.ttt_depth,
                           decay=distill.ttt_decay or self.ttt_decay, w_feature=0.0, w_token=1.0,
-                          candidates=distill.token_candidates, goal_head=DraftHead(target.output.weight, keep_ids))
+                          candidates=distill.token_candidates, goal_head=DraftHead(target.output, keep_ids))
 
     def evaluator(self, target, val_batch, drafter):
         return lambda model: simulated_chain(model, target, [val_batch], drafter.depth)

@@ -27,7 +27,8 @@ def build_lm(target: Transformer, layers: int, init: str) -> Transformer:
     model = Transformer(replace(target.config, n_layers=layers), target.max_seq_len)
     if init == "target":
         model.load_state_dict({k: v for k, v in target.state_dict().items()
-                               if not k.startswith("layers.") or int(k.split(".")[1]) < layers})
+                               if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
+                              | {"output.weight": target.output.weight_rows()})  # a lean head keeps only panels
     elif init == "random":
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -70,7 +71,7 @@ def lm_kd_loss(target: Transformer, kind: str, keep_ids: Tensor | None = None) -
     over the reduced draft vocabulary, the one the drafter proposes from."""
     if kind not in KD_DISTANCES:
         raise ValueError(f"distill.kd_loss={kind!r}: expected one of {sorted(KD_DISTANCES)}")
-    distance, target_head = KD_DISTANCES[kind], DraftHead(target.output.weight, keep_ids)
+    distance, target_head = KD_DISTANCES[kind], DraftHead(target.output, keep_ids)
 
     def loss_fn(model: Transformer, batch: dict) -> tuple[Tensor, dict]:
         t = target_features(target, batch)

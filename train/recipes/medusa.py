@@ -37,7 +37,7 @@ def medusa_loss(target: Transformer, decay: float = 0.8) -> LossFn:
 
 
 def build_medusa(target: Transformer, num_heads: int, keep_ids: Tensor | None) -> MedusaHeads:
-    head = DraftHead(target.output.weight, keep_ids)
+    head = DraftHead(target.output, keep_ids)
     cfg = MedusaConfig(hidden_size=target.config.dim, num_heads=num_heads)
     return MedusaHeads(cfg, head).to(target.dtype).requires_grad_(True).train()
 

@@ -12,19 +12,20 @@ from runtime.target.cpu_packing import Packable
 
 
 class DraftHead(nn.Module, Packable):
-    def __init__(self, lm_head_weight: torch.Tensor, keep_ids: torch.Tensor | None = None,
+    def __init__(self, lm_head: torch.Tensor | Packable, keep_ids: torch.Tensor | None = None,
                  norm: nn.Module | None = None):
-        """`norm`: a trained head, whose weight (a copy of the rows kept) and final norm are parameters saved with
-        the drafter; None: the target's lm_head as it is, frozen and never saved."""
+        """`lm_head`: the target's head layer (a lean one keeps only packed rows) or its weight. `norm`: a trained
+        head, whose weight (a copy of the rows kept) and final norm are parameters saved with the drafter; None: the
+        target's lm_head as it is, frozen and never saved."""
         super().__init__()
-        self.vocab_size = lm_head_weight.shape[0]
+        rows = lm_head.weight_rows if isinstance(lm_head, Packable) else \
+            lambda ids: lm_head if ids is None else lm_head[ids]
+        self.vocab_size = (lm_head.weight if isinstance(lm_head, Packable) else lm_head).shape[0]
         if keep_ids is not None:
             keep_ids = torch.unique(keep_ids.long())
             if keep_ids.numel() == 0 or int(keep_ids.max()) >= self.vocab_size or int(keep_ids.min()) < 0:
                 raise ValueError(f"draft vocabulary ids must lie in [0, {self.vocab_size}) and be non-empty")
-            weight = lm_head_weight[keep_ids]
-        else:
-            weight = lm_head_weight
+        weight = rows(keep_ids)
         if norm is None:  # the target's lm_head: frozen, never saved with a drafter
             self.register_buffer("weight", weight.detach(), persistent=False)
         else:

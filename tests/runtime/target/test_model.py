@@ -262,7 +262,11 @@ def test_a_lean_model_holds_one_copy_of_each_weight_and_computes_the_same(tiny_m
     full, lean = from_pretrained(path, max_seq_len=96), from_pretrained(path, max_seq_len=96, lean=True)
     linears = [m for name, m in lean.named_modules() if isinstance(m, Linear) and name != "output"]
     assert all(m.weight.is_meta and (m.panels is None) != (m.packed is None) for m in linears)  # one copy each
-    assert not lean.output.weight.is_meta  # the head stays readable: drafters and embedding lookups read it
+    # the head stays readable, exactly (drafters read its rows): from its panels where our kernel holds it alone
+    assert lean.output.weight.is_meta == own_kernel
+    ids = torch.tensor([0, 17, 95])
+    torch.testing.assert_close(lean.output.weight_rows(), full.output.weight, rtol=0, atol=0)
+    torch.testing.assert_close(lean.output.weight_rows(ids), full.output.weight[ids], rtol=0, atol=0)
     for rows in (1, 5, 80):  # a decode, a verify, a prefill past every kernel's row limit
         ids = torch.randint(0, 96, (1, rows), generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(lean(ids, lean.new_cache(), torch.arange(rows)[None]).logits,

@@ -3,7 +3,7 @@ the draft of self-speculation (runtime/drafters/quantspec.py). Embedding, norms 
 own tensors, shared, not copied; only the matmul weights get a second, int8 copy (a quarter of fp32's bytes).
 
 The weights are read from the plain weight, or from our fp32 kernel's panels where a lean model keeps only those,
-one layer at a time, so building it holds at most one layer's fp32 weight beyond the model.
+a slice of one layer's rows at a time, so building it holds little fp32 beyond the model.
 """
 from __future__ import annotations
 
@@ -19,15 +19,25 @@ from runtime.target.model import Transformer
 SCHEME = "int8"  # weights per output channel; activations quantised per call
 
 
+ROWS_AT_ONCE = 8192  # a 151,936-row head quantised whole holds three fp32 copies of itself at once
+
+
+def quantized_rows(layer: Packable) -> tuple[Tensor, Tensor]:
+    """kernels.dynamic_int8.quantize of the layer's weight, a slice of rows at a time."""
+    n = layer.weight.shape[0]
+    parts = [dynamic_int8.quantize(layer.weight_rows(torch.arange(i, min(i + ROWS_AT_ONCE, n))))
+             for i in range(0, n, ROWS_AT_ONCE)]
+    return torch.cat([codes for codes, _ in parts]), torch.cat([scales for _, scales in parts])
+
+
 class Int8Linear(nn.Module):
     """A linear layer's int8 copy: the packed weight (kernels.dynamic_int8.pack, bias included) and nothing else.
     `weight` is a meta tensor of the original's shape and dtype, as a lean layer's (its readers want the shape)."""
 
     def __init__(self, layer: Packable):
         super().__init__()
-        w = layer.weight_rows()
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False)
-        self.packed = dynamic_int8.pack(*dynamic_int8.quantize(w), getattr(layer, "bias", None))
+        self.weight = nn.Parameter(torch.empty_like(layer.weight, device="meta"), requires_grad=False)
+        self.packed = dynamic_int8.pack(*quantized_rows(layer), getattr(layer, "bias", None))
         self.has_bias = layer.bias is not None
 
     def codes_and_scales(self) -> tuple[Tensor, Tensor]:

@@ -36,7 +36,8 @@ def prompts(n: int = 3) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (8,), generator=g).tolist() for _ in range(n)]
 
 
-def test_the_copy_quantises_every_linear_layer_and_shares_the_rest(target, target_dir):
+def test_the_copy_quantises_every_linear_layer_and_shares_the_rest(target, target_dir, monkeypatch):
+    monkeypatch.setattr("runtime.target.quantized_copy.ROWS_AT_ONCE", 7)  # every layer quantised in several slices
     copied = int8_copy(target)
     linears = [m for m in target.modules() if isinstance(m, Packable)]
     int8 = [m for m in copied.modules() if isinstance(m, Int8Linear)]

@@ -11,7 +11,7 @@ from rich.table import Table
 from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
 from pipeline.errors import DraftsmithError
 from pipeline.flags import Parser, bounded
-from pipeline.host_memory import keep_freed_memory, release_freed_memory
+from runtime.host_memory import keep_freed_memory, release_freed_memory
 from runtime.bundle_reader import BundleError
 
 console = Console(stderr=True)

@@ -47,6 +47,7 @@ def main() -> None:
     max_len = max(map(len, prompts)) + args.max_new_tokens + 64
     target = from_pretrained(target_dir, max_seq_len=max_len, lean=True)
     engines = {"ar": Engine(target, None, EngineConfig(max_seq_len=max_len))}
+    reference: dict[str, str] = {}  # a method -> the plain decoding its greedy replies must equal, where not ar
     kind, threads = get_kind("quantspec"), {"ar": quantspec.DRAFT_THREADS}
     for b in qs:
         for n in map(int, args.draft_threads.split(",")):
@@ -56,8 +57,11 @@ def main() -> None:
                 max_seq_len=max_len, speed_check=False, **b.engine_fields())), n
     if args.bundle:
         bundle = read_bundle(args.bundle, target_fingerprint(target_dir))
-        engines[f"{bundle.kind} bundle ({bundle.served_budget(ServedBudget()).spec})"] = served_engine(
-            bundle, target, max_len, graphed=False, speed_check=False).engine
+        served = served_engine(bundle, target, max_len, graphed=False, speed_check=False)
+        name = f"{bundle.kind} bundle ({bundle.served_budget(ServedBudget()).spec})"
+        if served.engine.cfg.kv_scheme:  # its replies are plain decoding's over the same quantised KV, not ar's
+            engines[reference.setdefault(name, f"ar, {served.engine.cfg.kv_scheme} KV")] = served.plain()
+        engines[name] = served.engine
     if args.sibling:
         sibling = from_pretrained(resolve_target(args.sibling), max_seq_len=max_len)
         for b in lms:
@@ -86,9 +90,10 @@ def main() -> None:
     for name in list(engines)[1:]:
         rate = tokens[name] / seconds[name]
         tau = tokens_per_forward(tokens[name], len(prompts), forwards[name])
-        same = all(replies[name, i] == replies["ar", i] for i in range(len(prompts)))
+        ref = reference.get(name, "ar")
+        same = all(replies[name, i] == replies[ref, i] for i in range(len(prompts)))
         print(f"{name}: {rate:.2f} tok/s, {rate / ar:.2f}x AR, tau {tau:.2f}, "
-              f"{1000 * seconds[name] / forwards[name]:.0f} ms per step, greedy = AR: {same}")
+              f"{1000 * seconds[name] / forwards[name]:.0f} ms per step, greedy = {ref}: {same}")
 
 
 if __name__ == "__main__":

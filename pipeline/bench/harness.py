@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
-from pipeline.host_memory import release_freed_memory
+from runtime.host_memory import release_freed_memory
 from pipeline.tokens import encode, stop_ids
 from runtime.device import cpu_model, synchronizer
 from runtime.serving.budget_tuner import describe

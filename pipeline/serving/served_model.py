@@ -35,7 +35,7 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
     from transformers import AutoTokenizer
 
     from pipeline.bench.harness import default_bench_prompts
-    from pipeline.host_memory import release_freed_memory
+    from runtime.host_memory import release_freed_memory
     from pipeline.serving.policy_cache import kept_policy
     from pipeline.sources import resolve_target, target_fingerprint
     from pipeline.tokens import encode, stop_ids

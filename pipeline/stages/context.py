@@ -35,7 +35,7 @@ class StageContext:
         plain weights a drafter's initialisation copies."""
         import torch
 
-        from pipeline.host_memory import release_freed_memory
+        from runtime.host_memory import release_freed_memory
         from runtime.target.loading import from_pretrained
         from runtime.target.model import ModelConfig
         from runtime.target.precision import float_dtype

@@ -7,7 +7,7 @@ import pytest
 
 PROBE = """
 import ctypes, sys, torch
-from pipeline.host_memory import keep_freed_memory
+from runtime.host_memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
@@ -31,7 +31,7 @@ def test_large_tensors_stay_in_the_heap_after_keep_freed_memory():
 
 RELEASE_PROBE = """
 import torch
-from pipeline.host_memory import keep_freed_memory, release_freed_memory
+from runtime.host_memory import keep_freed_memory, release_freed_memory
 
 def resident_mib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) // 1024

@@ -18,14 +18,13 @@ class DraftHead(nn.Module, Packable):
         head, whose weight (a copy of the rows kept) and final norm are parameters saved with the drafter; None: the
         target's lm_head as it is, frozen and never saved."""
         super().__init__()
-        rows = lm_head.weight_rows if isinstance(lm_head, Packable) else \
-            lambda ids: lm_head if ids is None else lm_head[ids]
-        self.vocab_size = (lm_head.weight if isinstance(lm_head, Packable) else lm_head).shape[0]
+        layer = isinstance(lm_head, Packable)
+        self.vocab_size = (lm_head.weight if layer else lm_head).shape[0]
         if keep_ids is not None:
             keep_ids = torch.unique(keep_ids.long())
             if keep_ids.numel() == 0 or int(keep_ids.max()) >= self.vocab_size or int(keep_ids.min()) < 0:
                 raise ValueError(f"draft vocabulary ids must lie in [0, {self.vocab_size}) and be non-empty")
-        weight = rows(keep_ids)
+        weight = lm_head.weight_rows(keep_ids) if layer else lm_head if keep_ids is None else lm_head[keep_ids]
         if norm is None:  # the target's lm_head: frozen, never saved with a drafter
             self.register_buffer("weight", weight.detach(), persistent=False)
         else:

@@ -1,7 +1,7 @@
 """Drafters for one target raced on the same prompts, in one process, alternating prompt by prompt: our AR decode,
 quantspec (the target's int8 copy) at chain budgets, a bundle at its served budget, and a sibling LM (same tokenizer)
-used as it is as the draft model. Greedy; prints tokens a second, the ratio to AR, tau, draft and verify ms per step,
-and whether every reply equals AR's.
+used as it is as the draft model. Greedy; prints tokens a second, the ratio to AR, tau, ms per step (draft and
+verify), and whether every reply equals plain decoding's over the same KV (AR's, or a bundle's quantised one).
 
     python scripts/drafter_race.py --target qwen2.5-coder-1.5b-instruct --quantspec 4x1,5x1 \\
         --bundle runs/<id>/export/bundle --sibling qwen2.5-coder-0.5b-instruct --lm-budgets 4x1 --max-new-tokens 128

@@ -52,22 +52,27 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> None:
         pass
 
 
+def build(source: Path, cflags: list[str]) -> bool:
+    """Build (or load the cached build of) the C++ `source` as an operator library; False, with a warning, where it
+    cannot be built here (no compiler, no ninja, a read-only cache)."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]  # a changed source never loads a stale build
+    name = f"draftsmith_{source.stem}_{digest}"
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
+    try:
+        load(name=name, sources=[str(source)], is_python_module=False, extra_cflags=["-O3", "-fopenmp", *cflags])
+    except Exception as e:  # at::parallel_for is OpenMP in the header, hence -fopenmp
+        warnings.warn(f"kernels/{source.name} did not build ({type(e).__name__}: {str(e)[:200]}); "
+                      "its products keep the library kernel", stacklevel=3)
+        return False
+    return True
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernel once per process; False where it cannot run here."""
-    if not {"avx2", "fma"} <= set(cpu_info("flags").split()):
-        return False
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # a changed source never loads a stale build
-    name = f"draftsmith_cpu_gemm_{digest}"
-    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
-    try:
-        load(name=name, sources=[str(SOURCE)], is_python_module=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])  # at::parallel_for is OpenMP in the header
-    except Exception as e:  # no compiler, no ninja, a read-only cache: the library kernel serves instead
-        warnings.warn(f"kernels/cpu_gemm.cpp did not build ({type(e).__name__}: {str(e)[:200]}); "
-                      "fp32 products keep the library kernel", stacklevel=2)
+    if not {"avx2", "fma"} <= set(cpu_info("flags").split()) or not build(SOURCE, ["-mavx2", "-mfma"]):
         return False
     # its output's shape without running it, so torch.compile can trace a forward through it (compile_static)
     torch.library.register_fake("draftsmith_cpu::small_linear")(

@@ -83,7 +83,9 @@ class DrafterCfg(Section):
     # eagle3: the target layers whose entering residual streams it fuses (low, middle, high; vLLM's count);
     # None: 2, L/2 and L-3
     aux_layers: list[int] | None = None
-
+    # quantspec: the draft copy's weights, one of runtime.target.quantized_copy.SCHEMES; "auto": int4-g32 where our
+    # int4 kernel runs, else int8
+    quant_weights: str = "auto"
 
     @field_validator("kind")
     @classmethod
@@ -93,6 +95,15 @@ class DrafterCfg(Section):
         if kind not in kind_names():
             raise ValueError(f"expected one of {', '.join(kind_names())}")
         return kind
+
+    @field_validator("quant_weights")
+    @classmethod
+    def _known_scheme(cls, scheme: str) -> str:
+        from runtime.target.quantized_copy import SCHEMES
+
+        if scheme not in ("auto", *SCHEMES):
+            raise ValueError(f"expected auto or one of {', '.join(SCHEMES)}")
+        return scheme
 
 
 class DistillCfg(Section):

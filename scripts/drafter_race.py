@@ -1,5 +1,5 @@
 """Drafters for one target raced on the same prompts, in one process, alternating prompt by prompt: our AR decode,
-quantspec (the target's int8 copy) at chain budgets, a bundle at its served budget, and a sibling LM (same tokenizer)
+quantspec (the target's quantised copy) at chain budgets, weight schemes and draft threads, a bundle at its served budget, and a sibling LM (same tokenizer)
 used as it is as the draft model. Greedy; prints tokens a second, the ratio to AR, tau, ms per step (draft and
 verify), and whether every reply equals plain decoding's over the same KV (AR's, or a bundle's quantised one).
 
@@ -9,7 +9,9 @@ verify), and whether every reply equals plain decoding's over the same KV (AR's,
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 from pipeline.cli import _bench_prompts
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--prompts", default="docs/qwen_code_prompts.jsonl")
     p.add_argument("--quantspec", default="", help="chain budgets, e.g. 4x1,5x1")
     p.add_argument("--draft-threads", default="1", help="quantspec: threads a draft runs on, each raced, e.g. 1,2")
+    p.add_argument("--weights", default="auto", help="quantspec: weight schemes, each raced, e.g. int8,int4-g32")
     p.add_argument("--bundle", help="a bundle directory, raced at its served budget")
     p.add_argument("--sibling", help="a same-tokenizer LM (preset or directory) drafting as it is")
     p.add_argument("--lm-budgets", default="4x1")
@@ -49,12 +52,12 @@ def main() -> None:
     engines = {"ar": Engine(target, None, EngineConfig(max_seq_len=max_len))}
     reference: dict[str, str] = {}  # a method -> the plain decoding its greedy replies must equal, where not ar
     kind, threads = get_kind("quantspec"), {"ar": quantspec.DRAFT_THREADS}
-    for b in qs:
-        for n in map(int, args.draft_threads.split(",")):
-            drafter = kind.drafter(None, kind.config(None, 0, None), target, max_len, None)
-            name = f"quantspec {b.spec}, draft on {n} thread{'s' * (n > 1)}"
-            engines[name], threads[name] = Engine(target, drafter, EngineConfig(
-                max_seq_len=max_len, speed_check=False, **b.engine_fields())), n
+    for b, n, weights in itertools.product(qs, map(int, args.draft_threads.split(",")), args.weights.split(",")):
+        config = kind.config(None, 0, SimpleNamespace(quant_weights=weights))
+        drafter = kind.drafter(None, config, target, max_len, None)
+        name = f"quantspec {config['weights']} {b.spec}, draft on {n} thread{'s' * (n > 1)}"
+        engines[name], threads[name] = Engine(target, drafter, EngineConfig(
+            max_seq_len=max_len, speed_check=False, **b.engine_fields())), n
     if args.bundle:
         bundle = read_bundle(args.bundle, target_fingerprint(target_dir))
         served = served_engine(bundle, target, max_len, graphed=False, speed_check=False)

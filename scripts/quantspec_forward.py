@@ -1,7 +1,8 @@
-"""One-token decode forward of a target against its int8 copy (quantspec's draft) after a 60-token prefill, the copy
-on torch's threads and on one, alternating, best of 5 rounds of 3: what a draft step costs beside a target step.
+"""One-token decode forward of a target against its quantised copies (quantspec's draft) after a 60-token prefill,
+each copy on torch's threads and on one, alternating, best of 5 rounds of 3: what a draft step costs beside a target
+step.
 
-    python scripts/quantspec_forward.py [--target qwen2.5-coder-1.5b-instruct]
+    python scripts/quantspec_forward.py [--target qwen2.5-coder-1.5b-instruct] [--weights int8,int4-g32]
 """
 from __future__ import annotations
 
@@ -20,18 +21,22 @@ ROUNDS, CALLS, PROMPT = 5, 3, 60
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--weights", default="int8,int4-g32", help="the copies' weight schemes")
     args = p.parse_args()
     target = from_pretrained(resolve_target(args.target), max_seq_len=256, lean=True)
-    copy = shared_copy(target)
-    caches = {"target": target.new_cache(1, 256), "copy": copy.new_cache(1, 256)}
     n = torch.get_num_threads()
-    runs = {f"target, {n} threads": (target, caches["target"], n), f"int8 copy, {n} threads": (copy, caches["copy"], n),
-            "int8 copy, 1 thread": (copy, caches["copy"], 1)}
+    runs = {f"target, {n} threads": (target, target.new_cache(1, 256), n)}
+    for scheme in args.weights.split(","):
+        copy = shared_copy(target, scheme)
+        cache = copy.new_cache(1, 256)
+        runs[f"{scheme} copy, {n} threads"] = (copy, cache, n)
+        runs[f"{scheme} copy, 1 thread"] = (copy, cache, 1)
     ids = torch.randint(0, 1000, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     best = dict.fromkeys(runs, float("inf"))
     with torch.inference_mode():
-        target.prefill(ids, caches["target"])
-        copy.prefill(ids, caches["copy"])
+        for model, cache, _ in dict.fromkeys(runs.values()):
+            if int(cache.lengths[0]) == 0:
+                model.prefill(ids, cache)
         for _ in range(ROUNDS):
             for name, (model, cache, count) in runs.items():
                 with threads(count):

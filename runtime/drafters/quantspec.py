@@ -1,8 +1,10 @@
-"""QuantSpec drafter: the target drafts for itself through an int8 copy of its own weights; nothing is trained.
+"""QuantSpec drafter: the target drafts for itself through a quantised copy of its own weights (int4 where our
+kernel runs, else int8); nothing is trained.
 
-The copy (runtime.target.quantized_copy.int8_copy) is made from the target in memory when the drafter is built,
+The copy (runtime.target.quantized_copy.quantized_copy) is made from the target in memory when the drafter is built,
 deterministically, so a bundle stores only the scheme, never weights: the target fingerprint it pins fixes them.
-All drafters of one target share the copy (a batch's rows, a served engine's rebuilds); each keeps its own KV cache.
+All drafters of one target and scheme share the copy (a batch's rows, a served engine's rebuilds); each keeps its
+own KV cache.
 
 Drafting is the LM drafter's (runtime.drafters.lm.LMDrafter) over the copy: its cache holds the committed tokens,
 the tokens committed since the last proposal run first, then the tree grows within the budget (calibrate picks it).
@@ -26,26 +28,28 @@ from runtime.speculation.drafter import DrafterKind
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.target.model import Taps, Transformer
-from runtime.target.quantized_copy import SCHEME, Int8Transformer, int8_copy
+from runtime.target.quantized_copy import SCHEMES, QuantizedTransformer, default_scheme, quantized_copy
 
 KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper plane
 # threads a draft forward runs on: one ran the int8 forward well under half the time two took on a shared 2-core host
 # (docs/qwen.md, "QuantSpec: self-speculation")
 DRAFT_THREADS = 1
-_COPIES: "weakref.WeakKeyDictionary[Transformer, Int8Transformer]" = weakref.WeakKeyDictionary()
+OLD_SCHEME = "int8"  # what a bundle written before int4 drafts ran
+_COPIES: "weakref.WeakKeyDictionary[Transformer, dict[str, QuantizedTransformer]]" = weakref.WeakKeyDictionary()
 
 
-def shared_copy(target: Transformer) -> Int8Transformer:
-    """The int8 copy of `target`, made once per target object."""
-    copied = _COPIES.get(target)
-    if copied is None:
-        copied = _COPIES[target] = int8_copy(target)
-    return copied
+def shared_copy(target: Transformer, scheme: str) -> QuantizedTransformer:
+    """The copy of `target` in `scheme`, made once per target object and scheme."""
+    copies = _COPIES.setdefault(target, {})
+    if scheme not in copies:
+        copies[scheme] = quantized_copy(target, scheme)
+    return copies[scheme]
 
 
 class QuantSpecDrafter(LMDrafter):
-    def __init__(self, draft: Int8Transformer, max_len: int):
-        """`draft`: the target's int8 copy; it scores drafts with its own (int8) head over the full vocabulary."""
+    def __init__(self, draft: QuantizedTransformer, max_len: int):
+        """`draft`: the target's quantised copy; it scores drafts with its own quantised head over the full
+        vocabulary."""
         self.model, self.head, self.vocab = draft, draft.output, None
         self.vocab_size = draft.config.vocab_size
         # the target's room for a tree (EngineConfig.max_seq_len) bounds the draft's slots: no room past its length
@@ -74,9 +78,9 @@ def threads(n: int):
 
 def check_config(config: dict) -> None:
     """A one-line error for a bundle's drafter config that does not describe this kind's scheme."""
-    weights = config.get("weights", SCHEME)
-    if weights != SCHEME:
-        raise ValueError(f"quantspec weights {weights!r}: expected {SCHEME!r}")
+    weights = config.get("weights", OLD_SCHEME)
+    if weights not in SCHEMES:
+        raise ValueError(f"quantspec weights {weights!r}: expected one of {', '.join(SCHEMES)}")
     reader = config.get("kv_reader", KV_READER)
     if reader != KV_READER:
         raise ValueError(f"quantspec kv_reader {reader!r}: expected {KV_READER!r}")
@@ -88,11 +92,13 @@ class QuantSpecKind(DrafterKind):
     calibrates = True
 
     def config(self, module, draft_vocab, settings):
-        return {"kind": self.name, "weights": SCHEME, "kv_reader": KV_READER}
+        weights = getattr(settings, "quant_weights", "auto")
+        return {"kind": self.name, "weights": default_scheme() if weights == "auto" else weights,
+                "kv_reader": KV_READER}
 
     def drafter(self, module, config, target, max_len, keep_ids):
         check_config(config)
-        return QuantSpecDrafter(shared_copy(target), max_len)
+        return QuantSpecDrafter(shared_copy(target, config.get("weights", OLD_SCHEME)), max_len)
 
 
 KIND = QuantSpecKind()

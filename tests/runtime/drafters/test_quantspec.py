@@ -1,6 +1,7 @@
-"""The quantspec drafter: the target's int8 copy drafting for it (no training), lossless under verification by the
-full-precision target, and its bundle, which holds the scheme and no weights."""
+"""The quantspec drafter: the target's quantised copy (int4 or int8) drafting for it (no training), lossless under
+verification by the full-precision target, and its bundle, which holds the scheme and no weights."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.cpu_packing import Packable
 from runtime.target.loading import from_pretrained
-from runtime.target.quantized_copy import Int8Linear, int8_copy
+from kernels import int4_gemm
+from runtime.target.quantized_copy import SCHEMES, QuantizedLinear, default_scheme, quantized_copy
 
 VOCAB, MAX_LEN = 96, 256
 KIND = get_kind("quantspec")
@@ -36,36 +38,63 @@ def prompts(n: int = 3) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (8,), generator=g).tolist() for _ in range(n)]
 
 
-def test_the_copy_quantises_every_linear_layer_and_shares_the_rest(target, target_dir, monkeypatch):
-    monkeypatch.setattr("runtime.target.quantized_copy.ROWS_AT_ONCE", 7)  # every layer quantised in several slices
-    copied = int8_copy(target)
+def within_half_a_step(q: QuantizedLinear, plain: torch.Tensor) -> bool:
+    """Whether the copy's codes stand for the plain weight within half a quantisation step everywhere."""
+    if len(parts := q.quantized()) == 2:  # int8: a scale per row
+        codes, scales = parts
+        return bool(((codes.float() * scales[:, None] - plain).abs() <= scales[:, None] / 2 + 1e-6).all())
+    k = plain.shape[1]  # int4: groups along k, the last one padded with zero columns
+    step = parts[1].float().repeat_interleave(parts[0].shape[1] // parts[1].shape[1], 1)[:, :k]
+    return bool(((int4_gemm.dequantize(*parts)[:, :k] - plain).abs() <= step / 2 + 1e-3 * step).all())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_the_copy_quantises_every_linear_layer_and_shares_the_rest(target, target_dir, monkeypatch, scheme):
+    monkeypatch.setattr("runtime.target.quantized_copy.ROWS_AT_ONCE", 16)  # every layer quantised in several slices
+    copied = quantized_copy(target, scheme)
     linears = [m for m in target.modules() if isinstance(m, Packable)]
-    int8 = [m for m in copied.modules() if isinstance(m, Int8Linear)]
-    assert len(int8) == len(linears) == 4 * target.config.n_layers + 1  # qkv, o, gate-up, down; the head
+    quantized = [m for m in copied.modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == len(linears) == 4 * target.config.n_layers + 1  # qkv, o, gate-up, down; the head
     assert copied.tok_embeddings is target.tok_embeddings and copied.layers[0].attention_norm is target.layers[0].attention_norm
-    for plain, q in zip(linears, int8):
-        codes, scales = q.codes_and_scales()
-        assert ((codes.float() * scales[:, None] - plain.weight).abs() <= scales[:, None] / 2 + 1e-6).all()
-        assert q.has_bias == (plain.bias is not None)
+    for plain, q in zip(linears, quantized):
+        assert within_half_a_step(q, plain.weight)
+        assert (q.bias is None) == (plain.bias is None)
     # a lean target keeps only our kernel's panels: the copy read from them is the same
     lean = from_pretrained(target_dir, max_seq_len=MAX_LEN, lean=True)
     assert lean.layers[0].feed_forward.w2.weight.is_meta
-    for a, b in zip(int8, (m for m in int8_copy(lean).modules() if isinstance(m, Int8Linear))):
-        assert all(torch.equal(x, y) for x, y in zip(a.codes_and_scales(), b.codes_and_scales()))
+    for a, b in zip(quantized, (m for m in quantized_copy(lean, scheme).modules() if isinstance(m, QuantizedLinear))):
+        assert all(torch.equal(x, y) for x, y in zip(a.quantized(), b.quantized()))
 
 
-def test_the_copy_s_logits_are_near_the_target_s(target):
+def test_the_int8_copy_s_logits_are_near_the_target_s(target):
     tokens = torch.tensor([prompts(1)[0]])
     full = target.forward_uncached(tokens).logits
-    draft = shared_copy(target).forward_uncached(tokens).logits
+    draft = shared_copy(target, "int8").forward_uncached(tokens).logits
     assert (draft - full).abs().max() < 0.1 * full.abs().max()
     assert (draft.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
 
 
-@pytest.mark.parametrize("budget,kv", [("4x1", None), ("3x2/5", None), ("4x1", "hier-int4")])
-def test_speculation_with_it_is_plain_greedy_decoding(target, budget, kv):
-    drafter = KIND.drafter(None, KIND.config(None, 0, None), target, MAX_LEN, None)
-    assert isinstance(drafter, QuantSpecDrafter) and drafter.model is shared_copy(target)  # one copy per target
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "int8"])
+def test_an_int4_copy_computes_its_scheme_s_products(target, scheme, monkeypatch):
+    """Through our kernel, the logits of plain torch over the dequantised weights and int8 rows (4 bits move this
+    tiny random model's logits too far from the target's for closeness to it to say anything)."""
+    tokens = torch.tensor([prompts(1)[0]])
+    copied = shared_copy(target, scheme)
+    kernel = copied.forward_uncached(tokens).logits
+    monkeypatch.setattr(int4_gemm, "available", lambda: False)
+    with pytest.warns(UserWarning, match="torch reference"):
+        int4_gemm.warn_slow.cache_clear()
+        reference = copied.forward_uncached(tokens).logits
+    torch.testing.assert_close(kernel, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget,kv,scheme", [("4x1", None, "int8"), ("3x2/5", None, "int4-g32"),
+                                               ("4x1", "hier-int4", "int4-g32")])
+def test_speculation_with_it_is_plain_greedy_decoding(target, budget, kv, scheme):
+    config = KIND.config(None, 0, SimpleNamespace(quant_weights=scheme))
+    drafter = KIND.drafter(None, config, target, MAX_LEN, None)
+    # one copy per target and scheme
+    assert isinstance(drafter, QuantSpecDrafter) and drafter.model is shared_copy(target, scheme)
     fields = ServedBudget.parse(budget).engine_fields()
     kv_fields = {} if kv is None else {"kv_scheme": kv, "kv_recent": 8}
     plain = Engine(target, None, EngineConfig(max_seq_len=MAX_LEN, **kv_fields))
@@ -75,7 +104,9 @@ def test_speculation_with_it_is_plain_greedy_decoding(target, budget, kv):
         out = spec.generate(p, 48)
         assert out.tokens == plain.generate(p, 48).tokens
         taus.append(out.metrics.tau)
-    assert sum(taus) / len(taus) > 2.0  # the copy agrees with its target on most tokens
+    # the copy agrees with its target on most tokens (int8) or many (int4, on this tiny random model); a drafter
+    # that never agreed would give 1
+    assert sum(taus) / len(taus) > (2.0 if scheme == "int8" else 1.5)
 
 
 def test_a_bundle_holds_the_scheme_and_no_weights_and_serves(tmp_path, target, target_dir):
@@ -84,7 +115,7 @@ def test_a_bundle_holds_the_scheme_and_no_weights_and_serves(tmp_path, target, t
                  config={}, code_version="test")
     bundle = read_bundle(tmp_path / "b", fingerprint)
     assert json.loads((tmp_path / "b" / "drafter_config.json").read_text()) == {
-        "kind": "quantspec", "weights": "int8", "kv_reader": "draft"}
+        "kind": "quantspec", "weights": default_scheme(), "kv_reader": "draft"}
     assert not (tmp_path / "b" / "drafter.safetensors").exists()
     drafter = build_drafter(bundle, target, MAX_LEN)
     plain = Engine(target, None, EngineConfig(max_seq_len=MAX_LEN))
@@ -93,7 +124,8 @@ def test_a_bundle_holds_the_scheme_and_no_weights_and_serves(tmp_path, target, t
     p = prompts(1)[0]
     assert spec.generate(p, 32).tokens == plain.generate(p, 32).tokens
 
-    write_bundle(tmp_path / "bad", {"kind": "quantspec", "weights": "int4-g32"}, None, target_fingerprint=fingerprint,
+    write_bundle(tmp_path / "bad", {"kind": "quantspec", "weights": "int4-g48"}, None, target_fingerprint=fingerprint,
                  data_digest="d", config={}, code_version="test")
-    with pytest.raises(BundleError, match=r"quantspec weights 'int4-g32': expected 'int8'$"):
+    with pytest.raises(BundleError, match=r"quantspec weights 'int4-g48': expected one of int4-g32, int4-g64, "
+                                          r"int4-g128, int8$"):
         build_drafter(read_bundle(tmp_path / "bad", fingerprint), target, MAX_LEN)

@@ -32,7 +32,8 @@ def main() -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--prompts", default="docs/qwen_code_prompts.jsonl")
     p.add_argument("--quantspec", default="", help="chain budgets, e.g. 4x1,5x1")
-    p.add_argument("--draft-threads", default="1", help="quantspec: threads a draft runs on, each raced, e.g. 1,2")
+    p.add_argument("--draft-threads", default="0", help="quantspec: threads a draft runs on, each raced, e.g. 1,2 "
+                   "(0: torch's)")
     p.add_argument("--weights", default="auto", help="quantspec: weight schemes, each raced, e.g. int8,int4-g32")
     p.add_argument("--bundle", help="a bundle directory, raced at its served budget")
     p.add_argument("--sibling", help="a same-tokenizer LM (preset or directory) drafting as it is")
@@ -55,9 +56,9 @@ def main() -> None:
     for b, n, weights in itertools.product(qs, map(int, args.draft_threads.split(",")), args.weights.split(",")):
         config = kind.config(None, 0, SimpleNamespace(quant_weights=weights))
         drafter = kind.drafter(None, config, target, max_len, None)
-        name = f"quantspec {config['weights']} {b.spec}, draft on {n} thread{'s' * (n > 1)}"
+        name = f"quantspec {config['weights']} {b.spec}" + (f", draft on {n} thread{'s' * (n > 1)}" if n else "")
         engines[name], threads[name] = Engine(target, drafter, EngineConfig(
-            max_seq_len=max_len, speed_check=False, **b.engine_fields())), n
+            max_seq_len=max_len, speed_check=False, **b.engine_fields())), n or None
     if args.bundle:
         bundle = read_bundle(args.bundle, target_fingerprint(target_dir))
         served = served_engine(bundle, target, max_len, graphed=False, speed_check=False)

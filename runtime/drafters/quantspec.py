@@ -31,9 +31,9 @@ from runtime.target.model import Taps, Transformer
 from runtime.target.quantized_copy import SCHEMES, QuantizedTransformer, default_scheme, quantized_copy
 
 KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper plane
-# threads a draft forward runs on: one ran the int8 forward well under half the time two took on a shared 2-core host
-# (docs/qwen.md, "QuantSpec: self-speculation")
-DRAFT_THREADS = 1
+# threads a draft forward runs on at most; None: torch's. On a quiet 2-core host two drafted faster than one (int4 and
+# int8), on a host shared with other work one did (docs/qwen.md, "QuantSpec")
+DRAFT_THREADS: int | None = None
 OLD_SCHEME = "int8"  # what a bundle written before int4 drafts ran
 _COPIES: "weakref.WeakKeyDictionary[Transformer, dict[str, QuantizedTransformer]]" = weakref.WeakKeyDictionary()
 
@@ -66,10 +66,10 @@ class QuantSpecDrafter(LMDrafter):
 
 
 @contextlib.contextmanager
-def threads(n: int):
-    """torch's intra-op threads at most `n` inside, as they were after."""
+def threads(n: int | None):
+    """torch's intra-op threads at most `n` (None: as they are) inside, as they were after."""
     before = torch.get_num_threads()
-    torch.set_num_threads(min(n, before))
+    torch.set_num_threads(min(n or before, before))
     try:
         yield
     finally:

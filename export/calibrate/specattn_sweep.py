@@ -64,14 +64,24 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
     T = ids.numel()
     layers = tuple(range(target.config.n_layers)) if target_attention else ()
     taps = Taps(hidden_layers=Taps.entering(kind.reads(model)).hidden_layers, attention_layers=layers)
-    out = target(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps)
+    out = target(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
     att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])).float() if layers else None
-    att_d = kind.draft_attention(model, out, ids)
-    return CalibrationRow(ids, att_t, att_d.float(), next_token_nll(out.logits, ids))
+    # a long row keeps its draft heads averaged per target kv head, all kept_keys reads of them
+    att_d = kind.draft_attention(model, out, ids, kv_heads=0 if target_attention else target.config.n_kv_heads)
+    return CalibrationRow(ids, att_t, att_d.float(), hidden_nll(target, out.hidden, ids))
 
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[0, :-1].float(), ids[1:], reduction="none")
+
+
+def hidden_nll(target: Transformer, hidden: torch.Tensor, ids: torch.Tensor, rows: int = 512) -> torch.Tensor:
+    """next_token_nll from the final hidden states [1, T, dim], through the head `rows` positions at a time: a long
+    row's logits whole would take T x vocabulary floats (2.5 GB at 4,096 tokens of a 152k vocabulary)."""
+    T = ids.numel()
+    return torch.cat([F.cross_entropy(target.output(hidden[0, i:min(i + rows, T - 1)]).float(),
+                                      ids[i + 1:min(i + rows, T - 1) + 1], reduction="none")
+                      for i in range(0, T - 1, rows)])
 
 
 def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.Tensor, LayerMap]:
@@ -103,12 +113,13 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
     `selector(row)` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified
     and always read."""
     T = row.ids.numel()
-    keep = kept_keys(selector(row), torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink,
-                     sparse.recent)
+    ranked = selector(row)  # a draft layer at a time: the search's temporaries then follow one layer, not all
+    keep = torch.cat([kept_keys(layer[None], torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink,
+                                sparse.recent) for layer in ranked])
     layer_keep = sparse.layer_keep(keep)
-    out = target(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep)
+    out = target(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep, no_logits=True)
     reads, dense = kv_reads(layer_keep, torch.ones(T, T, dtype=torch.bool).tril(), target.config.n_kv_heads)
-    return next_token_nll(out.logits, row.ids), reads, dense
+    return hidden_nll(target, out.hidden, row.ids), reads, dense
 
 
 def effective_keys(rows: list[torch.Tensor]) -> float:

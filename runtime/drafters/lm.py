@@ -144,9 +144,9 @@ class LMKind(DrafterKind):
     def onnx_example(self, module, batch, seq, generator):
         return {"input_ids": torch.randint(0, module.config.vocab_size, (batch, seq), generator=generator)}
 
-    def draft_attention(self, module, target_out, ids):
+    def draft_attention(self, module, target_out, ids, kv_heads=0):
         T = ids.numel()
-        taps = Taps(attention_layers=tuple(range(module.config.n_layers)))
+        taps = Taps(attention_layers=tuple(range(module.config.n_layers)), attention_groups=kv_heads)
         o = module(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
         return torch.stack([o.attention[i][0] for i in taps.attention_layers])
 

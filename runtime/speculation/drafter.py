@@ -151,9 +151,11 @@ class DrafterKind:
         """Random inputs of onnx_inputs' names and shapes."""
         raise self.unsupported("ONNX step")
 
-    def draft_attention(self, module: nn.Module, target_out: ForwardOutput, ids: Tensor) -> Tensor:
+    def draft_attention(self, module: nn.Module, target_out: ForwardOutput, ids: Tensor,
+                        kv_heads: int = 0) -> Tensor:
         """SpecAttn calibration: [draft layers, heads, T, T], query t's weights over the target's keys 0..t as the
-        drafter sees them when it proposes x_{t+1}; `target_out` is the target's forward over `ids` [T]."""
+        drafter sees them when it proposes x_{t+1}; `target_out` is the target's forward over `ids` [T].
+        kv_heads > 0: the heads averaged into the target's kv-head groups as each layer is tapped (head_groups)."""
         raise self.unsupported("attention over the target's keys")
 
     def engine_exports(self, module: nn.Module, verifier: dict,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.target.attention import Mask, attention_mask, attention_weights, causal_mask, pick_backend
+from runtime.target.attention import Mask, attention_mask, attention_weights, causal_mask, head_groups, pick_backend
 from runtime.target.cpu_packing import Linear, pack_for_cpu, prefill_products
 from runtime.target.kv_cache import KVCache
 
@@ -128,6 +128,9 @@ class Taps:
     """Extra outputs for drafters, their training and calibration; the plain forward captures nothing."""
     hidden_layers: tuple[int, ...] = ()  # residual stream after these blocks (0-based), [B, T, dim]
     attention_layers: tuple[int, ...] = ()  # softmax attention weights of these blocks, [B, heads, T, keys]
+    # > 0: each block's weights averaged as tapped into this many kv-head groups (specattn.head_groups), so that
+    # every layer's weights over a long row fit in memory
+    attention_groups: int = 0
 
     @staticmethod
     def entering(layers: tuple[int, ...]) -> "Taps":
@@ -386,7 +389,7 @@ class Transformer(nn.Module):
             x = (x[:, -1:] if tail else x) + h
             x = x + block.feed_forward(block.ffn_norm(x))
             if weights is not None:
-                out.attention[i] = weights
+                out.attention[i] = head_groups(weights, taps.attention_groups) if taps.attention_groups else weights
             if i in taps.hidden_layers:
                 out.layer_hidden[i] = x
         out.hidden = self.norm(x)

@@ -10,10 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from export.calibrate.budget_search import choose_budget
 from export.calibrate.kv import choose_kv_scheme, decode_ms, kv_message, quantized_nll
+from export.calibrate import specattn_sweep
 from export.calibrate.layer_map import DENSE, LayerMap
 from export.calibrate.replay import ReplayTarget, reference, replay
-from export.calibrate.specattn_sweep import (calibration_row, choose_top_p, draft_selector, effective_keys, sparse_nll,
-                                      target_selector, teacher_forced)
+from export.calibrate.specattn_sweep import (calibration_row, choose_top_p, draft_selector, effective_keys,
+                                             next_token_nll, sparse_nll, target_selector, teacher_forced)
 from export.calibrate.stage import CalibrateSettings, long_prompts, long_rows, run_calibrate
 from export.calibrate.weights import choose_scheme
 from pipeline.config import Config
@@ -25,7 +26,7 @@ from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
-from runtime.target.attention import SpecAttnConfig
+from runtime.target.attention import SpecAttnConfig, head_groups
 from runtime.target.loading import from_pretrained
 from runtime.target.precision import float_dtype
 from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache
@@ -331,7 +332,8 @@ def test_quantspec_has_no_weights_to_quantise_but_its_kv_and_budget_are_calibrat
     ctx = make_run(tmp_path, target_dir, distilled, kind="quantspec")
     result = run_calibrate(ctx, FAST)
     assert json.loads((ctx.out / "quant.json").read_text())["chosen"] == "not applicable"
-    assert json.loads((ctx.out / "kv_quant.json").read_text())["dense_tau"] > 2.0  # the int8 copy agrees
+    # the copy agrees (int4 where our kernel runs: on this tiny random model less than int8's 2.0; never agreeing: 1)
+    assert json.loads((ctx.out / "kv_quant.json").read_text())["dense_tau"] > 1.5
     budget = json.loads((ctx.out / "draft_budget.json").read_text())
     assert budget["chosen"]["depth"] >= 1 and budget["sweep"]
     assert "no weights to quantise" in result.message and not (ctx.out / "layer_map.json").exists()
@@ -366,6 +368,25 @@ def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, disti
     own = SpecAttnConfig((-1, 1, 2, 3), 0.5, dense_first=1, sink=1, recent=2)
     nll, reads, dense = sparse_nll(target, row, own, target_selector)
     assert reads < dense and not torch.equal(nll, row.dense_nll)
+
+
+def test_a_long_row_keeps_draft_heads_averaged_per_kv_head_and_measures_the_same(target_dir, distilled, monkeypatch):
+    """What lets the top-p sweep read rows of thousands of tokens: the draft heads averaged as tapped, the logits
+    through the head a slice of positions at a time; the keys kept, the reads and the perplexity stay the same."""
+    target = from_pretrained(target_dir, max_seq_len=64)
+    eagle = eagle_recipe.build_eagle(target, None).eval()
+    ids = distilled[0].row(0)[0][:30]
+    monkeypatch.setattr(specattn_sweep.hidden_nll, "__defaults__", (7,))  # logits 7 positions at a time
+    full = calibration_row(target, get_kind("eagle"), eagle, ids)
+    long = calibration_row(target, get_kind("eagle"), eagle, ids, target_attention=False)
+    assert long.target_attention is None and long.draft_attention.shape[1] == target.config.n_kv_heads
+    torch.testing.assert_close(long.draft_attention, head_groups(full.draft_attention, target.config.n_kv_heads))
+    logits = target(ids[None], target.new_cache(1, 30), torch.arange(30)[None]).logits
+    torch.testing.assert_close(full.dense_nll, next_token_nll(logits, ids))
+    sparse = SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2)
+    (nll, reads, dense), (long_nll, long_reads, _) = sparse_nll(target, full, sparse), sparse_nll(target, long, sparse)
+    assert reads == long_reads < dense
+    torch.testing.assert_close(nll, long_nll)
 
 
 def test_choose_kv_scheme_is_the_smallest_within_both_tolerances_and_the_slowdown():

@@ -21,7 +21,7 @@ from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.dynamic_tree import TreeSlots, grow_tree, tree_probs
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
-from runtime.target.attention import attention_mask, causal_mask
+from runtime.target.attention import attention_mask, causal_mask, head_groups
 from runtime.target.cpu_packing import pack_for_cpu
 from runtime.target.kv_cache import KVCache
 from runtime.target.model import ForwardOutput, ModelConfig, NoCache, rope_tables
@@ -221,12 +221,14 @@ class EagleFamily(DrafterKind):
         return {"input_ids": torch.randint(0, module.embed_weight.shape[0], (batch, seq), generator=generator),
                 "features": torch.randn(batch, seq, module.feature_dim, generator=generator)}
 
-    def draft_attention(self, module: EagleBase, target_out: ForwardOutput, ids: Tensor) -> Tensor:
+    def draft_attention(self, module: EagleBase, target_out: ForwardOutput, ids: Tensor,
+                        kv_heads: int = 0) -> Tensor:
         """[1, H, T, T] over the target's keys; query 0 has no pair."""
         T = ids.numel()
         features = target_out.features(module.aux_layers)[:, :-1]
         _, att = module.causal_step(ids[None, 1:], features, module.new_cache(1, T - 1), want_weights=True)
-        return F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None]
+        att = F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None]
+        return head_groups(att, kv_heads) if kv_heads else att
 
 
 def speculators_config(algorithm: str, verifier: dict, speculative_tokens: int) -> dict:

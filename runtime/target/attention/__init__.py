@@ -10,7 +10,7 @@ from runtime.target.attention.base import (AUTO_ORDER, BACKEND_ENV, BACKENDS, At
                                     exact_dtype, pick_backend, register_backend)
 from runtime.target.attention.masks import Causal, Mask, attention_mask, causal_mask, dense_mask
 from runtime.target.attention.sdpa import SdpaBackend
-from runtime.target.attention.specattn import SpecAttnConfig, kept_keys, kv_reads
+from runtime.target.attention.specattn import SpecAttnConfig, head_groups, kept_keys, kv_reads
 from runtime.target.attention.triton_sparse import TritonSparseBackend
 
 register_backend(SdpaBackend())
@@ -21,5 +21,5 @@ if importlib.util.find_spec("flashinfer") is not None:  # found without importin
     register_backend(FlashInferBackend())
 
 __all__ = ["AUTO_ORDER", "BACKEND_ENV", "BACKENDS", "AttentionBackend", "Causal", "Mask", "SpecAttnConfig",
-           "attention_mask", "attention_weights", "causal_mask", "dense_mask", "exact_dtype", "kept_keys", "kv_reads",
-           "pick_backend", "register_backend"]
+           "attention_mask", "attention_weights", "causal_mask", "dense_mask", "exact_dtype", "head_groups", "kept_keys",
+           "kv_reads", "pick_backend", "register_backend"]

@@ -56,6 +56,15 @@ class SpecAttnConfig:
         return [views[i] if j >= self.dense_first and i >= 0 else None for j, i in enumerate(self.layer_map)]
 
 
+def head_groups(attention: Tensor, n_kv_heads: int) -> Tensor:
+    """[..., H, R, K] -> [..., n_kv_heads, R, K]: the draft heads averaged per target kv head (groups of H /
+    n_kv_heads), or [..., 1, R, K], all of them averaged, where they do not group (another model's heads)."""
+    H = attention.shape[-3]
+    if H % n_kv_heads:
+        return attention.mean(-3, keepdim=True)
+    return attention.unflatten(-3, (n_kv_heads, H // n_kv_heads)).mean(-3)
+
+
 def kept_keys(draft_attention: Tensor, prefix_len: Tensor, n_keys: int, n_kv_heads: int, top_p: float,
               sink: int, recent: int) -> Tensor:
     """draft_attention [Ld, H, R, K]: per draft layer and head, R query rows' attention over target key positions
@@ -67,7 +76,8 @@ def kept_keys(draft_attention: Tensor, prefix_len: Tensor, n_keys: int, n_kv_hea
     attention they receive (its query heads averaged; ties kept): the mass sinks absorb says nothing about which
     other keys matter, so it does not count toward p. A key the draft gives no weight is never selected.
     Draft heads that do not group onto the target's kv heads (another model's, as an `lm` drafter's may be) say
-    nothing about any one of them: every kv head then keeps the keys of all draft heads averaged.
+    nothing about any one of them: every kv head then keeps the keys of all draft heads averaged (head_groups: a
+    draft attention already so averaged gives the same keys).
     """
     Ld, H, R, K = draft_attention.shape
     if prefix_len.shape != (R,) or int(prefix_len.max()) > min(K, n_keys):
@@ -77,11 +87,7 @@ def kept_keys(draft_attention: Tensor, prefix_len: Tensor, n_keys: int, n_kv_hea
         return torch.ones(Ld, n_kv_heads, R, n_keys, dtype=torch.bool, device=draft_attention.device)
     key = torch.arange(n_keys, device=draft_attention.device)
     always = (key < sink) | (key >= prefix_len[:, None] - recent)  # [R, n_keys]
-    w = draft_attention.float()
-    if H % n_kv_heads:
-        w = w.mean(1, keepdim=True).expand(Ld, n_kv_heads, R, K)
-    else:
-        w = w.view(Ld, n_kv_heads, H // n_kv_heads, R, K).mean(2)
+    w = head_groups(draft_attention.float(), n_kv_heads).expand(Ld, n_kv_heads, R, K)
     w = F.pad(w[..., :n_keys], (0, max(0, n_keys - K))) * ~always
     w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return topp_mask(w, top_p)[0] & (w > 0) | always  # all-zero rows: the threshold is 0, yet nothing is needed

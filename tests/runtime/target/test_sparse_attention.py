@@ -14,7 +14,8 @@ from runtime.speculation.drafter import Drafter
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
-from runtime.target.attention import BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, kept_keys, pick_backend
+from runtime.target.attention import (BACKEND_ENV, BACKENDS, SdpaBackend, SpecAttnConfig, head_groups, kept_keys,
+                                      pick_backend)
 import runtime.target.attention.triton_sparse
 from runtime.target.loading import from_pretrained
 from runtime.target.model import Taps
@@ -111,6 +112,27 @@ def test_kept_keys_are_the_minimal_set_reaching_p_plus_the_always_kept(p):
     odd = kept_keys(att[:, :3], torch.full((R,), P), P + n_new, Hkv, p, sink, recent)
     averaged = kept_keys(att[:, :3].mean(1, keepdim=True), torch.full((R,), P), P + n_new, 1, p, sink, recent)
     assert torch.equal(odd, averaged.expand(Ld, Hkv, R, P + n_new))
+
+
+@pytest.mark.parametrize("heads", [4, 3])  # two per kv head; three that do not group onto 2
+def test_draft_heads_averaged_early_keep_the_same_keys(heads):
+    """What lets a long calibration row keep its draft attention averaged per kv head (head_groups) as it is tapped."""
+    g = torch.Generator().manual_seed(3)
+    att = torch.rand(2, heads, 3, 40, generator=g) ** 4
+    prefix = torch.full((3,), 40)
+    grouped = head_groups(att, 2)
+    assert grouped.shape == (2, 2 if heads == 4 else 1, 3, 40)
+    assert torch.equal(kept_keys(grouped, prefix, 45, 2, 0.7, 2, 3), kept_keys(att, prefix, 45, 2, 0.7, 2, 3))
+
+
+def test_attention_taps_averaged_per_kv_head_are_the_plain_taps_averaged(target):
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    layers = tuple(range(target.config.n_layers))
+    plain, grouped = (target(ids, target.new_cache(), torch.arange(12)[None],
+                             taps=Taps(attention_layers=layers, attention_groups=groups)) for groups in (0, 2))
+    for i in layers:
+        assert grouped.attention[i].shape[1] == 2
+        torch.testing.assert_close(grouped.attention[i], head_groups(plain.attention[i], 2))
 
 
 def tree(*parents):

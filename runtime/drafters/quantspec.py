@@ -34,7 +34,6 @@ KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper 
 # threads a draft forward runs on at most; None: torch's. On a quiet 2-core host two drafted faster than one (int4 and
 # int8), on a host shared with other work one did (docs/qwen.md, "QuantSpec")
 DRAFT_THREADS: int | None = None
-OLD_SCHEME = "int8"  # what a bundle written before int4 drafts ran
 _COPIES: "weakref.WeakKeyDictionary[Transformer, dict[str, QuantizedTransformer]]" = weakref.WeakKeyDictionary()
 
 
@@ -78,7 +77,7 @@ def threads(n: int | None):
 
 def check_config(config: dict) -> None:
     """A one-line error for a bundle's drafter config that does not describe this kind's scheme."""
-    weights = config.get("weights", OLD_SCHEME)
+    weights = config.get("weights", default_scheme())
     if weights not in SCHEMES:
         raise ValueError(f"quantspec weights {weights!r}: expected one of {', '.join(SCHEMES)}")
     reader = config.get("kv_reader", KV_READER)
@@ -98,7 +97,8 @@ class QuantSpecKind(DrafterKind):
 
     def drafter(self, module, config, target, max_len, keep_ids):
         check_config(config)
-        return QuantSpecDrafter(shared_copy(target, config.get("weights", OLD_SCHEME)), max_len)
+        # a config naming no scheme (`pipeline bench --drafter quantspec`) gets this host's default
+        return QuantSpecDrafter(shared_copy(target, config.get("weights", default_scheme())), max_len)
 
 
 KIND = QuantSpecKind()

@@ -1,7 +1,8 @@
 """The CPU products a self-speculative draft could read its weights through, at one and four rows, on the shapes of
 Qwen2.5-Coder-1.5B's layers (random weights): our fp32 kernel (what the target runs), oneDNN's prepacked bf16,
-torch's packed int4 (`_weight_int4pack_mm_for_cpu`, group 32 and 128), torch's int8 (`_weight_int8pack_mm`) and
-fbgemm's dynamic int8 (kernels/dynamic_int8.py, what quantspec uses). Best of 5 rounds, the methods alternating.
+torch's packed int4 (`_weight_int4pack_mm_for_cpu`, group 32 and 128), our int4 (kernels/int4_gemm.py, group 32
+and 128: what quantspec uses where it runs), torch's int8 (`_weight_int8pack_mm`) and fbgemm's dynamic int8
+(kernels/dynamic_int8.py, quantspec's elsewhere). Best of 5 rounds, the methods alternating.
 
     python scripts/draft_products.py
 """
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from kernels import cpu_gemm, dynamic_int8
+from kernels import cpu_gemm, dynamic_int8, int4_gemm
 
 SHAPES = {"gate+up 17920x1536": (17920, 1536), "down 1536x8960": (1536, 8960), "head 151936x1536": (151936, 1536)}
 ROUNDS, CALLS = 5, 3
@@ -40,6 +41,10 @@ def products(w: torch.Tensor) -> dict:
         packed, zeros = int4_packed(w, group)
         out[f"int4-g{group} (aten)"] = (lambda p, z, g: lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, p, g, z))(packed, zeros, group)
+    if int4_gemm.available():
+        for group in (32, 128):
+            ours = int4_gemm.pack(*int4_gemm.quantize(w, group))
+            out[f"int4-g{group} (ours)"] = (lambda p, g: lambda x: int4_gemm.linear(x, p, n, g))(ours, group)
     codes, scales = dynamic_int8.quantize(w)
     out["int8 (aten)"] = lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales)
     fbgemm = dynamic_int8.pack(codes, scales)

@@ -106,20 +106,29 @@ def target_selector(row: CalibrationRow) -> torch.Tensor:
     return F.pad(row.target_attention, (1, 0, 1, 0))
 
 
+QUERY_SLICE = 1024  # queries per sparse forward: a masked attention's scores follow the slice, not the row
+
+
 @torch.inference_mode()
 def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
                selector: Callable[[CalibrationRow], torch.Tensor] = draft_selector) -> tuple[torch.Tensor, int, int]:
     """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys
     `selector(row)` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified
-    and always read."""
+    and always read. A long row runs as forwards of QUERY_SLICE queries over a growing cache."""
     T = row.ids.numel()
     ranked = selector(row)  # a draft layer at a time: the search's temporaries then follow one layer, not all
     keep = torch.cat([kept_keys(layer[None], torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink,
                                 sparse.recent) for layer in ranked])
-    layer_keep = sparse.layer_keep(keep)
-    out = target(row.ids[None], target.new_cache(1, T), torch.arange(T)[None], kv_keep=layer_keep, no_logits=True)
-    reads, dense = kv_reads(layer_keep, torch.ones(T, T, dtype=torch.bool).tril(), target.config.n_kv_heads)
-    return hidden_nll(target, out.hidden, row.ids), reads, dense
+    cache, hidden = target.new_cache(1, T), []
+    for start in range(0, T, QUERY_SLICE):
+        end = min(start + QUERY_SLICE, T)
+        out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None],
+                     kv_keep=sparse.layer_keep(keep[:, :, start:end, :end]), no_logits=True)
+        cache.advance(end - start)
+        hidden.append(out.hidden)
+    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    reads, dense = kv_reads(sparse.layer_keep(keep), visible, target.config.n_kv_heads)
+    return hidden_nll(target, torch.cat(hidden, 1), row.ids), reads, dense
 
 
 def effective_keys(rows: list[torch.Tensor]) -> float:

@@ -371,8 +371,9 @@ def test_teacher_forced_sparse_nll_at_top_p_1_is_the_dense_nll(target_dir, disti
 
 
 def test_a_long_row_keeps_draft_heads_averaged_per_kv_head_and_measures_the_same(target_dir, distilled, monkeypatch):
-    """What lets the top-p sweep read rows of thousands of tokens: the draft heads averaged as tapped, the logits
-    through the head a slice of positions at a time; the keys kept, the reads and the perplexity stay the same."""
+    """What lets the top-p sweep read rows of thousands of tokens: the draft heads averaged as tapped, the sparse
+    forward a slice of queries at a time, the logits through the head a slice of positions at a time; the keys kept,
+    the reads and the perplexity stay the same."""
     target = from_pretrained(target_dir, max_seq_len=64)
     eagle = eagle_recipe.build_eagle(target, None).eval()
     ids = distilled[0].row(0)[0][:30]
@@ -387,6 +388,10 @@ def test_a_long_row_keeps_draft_heads_averaged_per_kv_head_and_measures_the_same
     (nll, reads, dense), (long_nll, long_reads, _) = sparse_nll(target, full, sparse), sparse_nll(target, long, sparse)
     assert reads == long_reads < dense
     torch.testing.assert_close(nll, long_nll)
+    monkeypatch.setattr(specattn_sweep, "QUERY_SLICE", 7)  # forwards of 7 queries over the growing cache
+    sliced_nll, sliced_reads, _ = sparse_nll(target, long, sparse)
+    assert sliced_reads == reads
+    torch.testing.assert_close(sliced_nll, nll, atol=1e-4, rtol=1e-4)
 
 
 def test_choose_kv_scheme_is_the_smallest_within_both_tolerances_and_the_slowdown():

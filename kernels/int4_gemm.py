@@ -2,7 +2,8 @@
 torch definition. The weights a self-speculative draft (runtime/drafters/quantspec.py) streams per step.
 
 Why our own: a draft step is bound by the bytes of weights it reads, and int4 reads half of int8's; but torch's packed
-int4 CPU product runs several times slower than our fp32 kernel at one row (docs/qwen.md, "QuantSpec").
+int4 CPU product runs several times slower than our fp32 kernel at one row (docs/qwen.md,
+"QuantSpec: self-speculation").
 
 Weights: groups of `group` consecutive k per output row, each with an fp16 scale and minimum (asymmetric: w = q * scale
 + minimum, q in 0..15, as GGUF's Q4_K keeps them, so a checkpoint that came from one is read back nearly exactly).

@@ -32,7 +32,7 @@ from runtime.target.quantized_copy import SCHEMES, QuantizedTransformer, default
 
 KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper plane
 # threads a draft forward runs on at most; None: torch's. On a quiet 2-core host two drafted faster than one (int4 and
-# int8), on a host shared with other work one did (docs/qwen.md, "QuantSpec")
+# int8), on a host shared with other work one did (docs/qwen.md, "QuantSpec with int4 weights: our kernel")
 DRAFT_THREADS: int | None = None
 _COPIES: "weakref.WeakKeyDictionary[Transformer, dict[str, QuantizedTransformer]]" = weakref.WeakKeyDictionary()
 

@@ -75,9 +75,15 @@ def threads(n: int | None):
         torch.set_num_threads(before)
 
 
+def weight_scheme(config: dict) -> str:
+    """The scheme a drafter config names; one naming none (`pipeline bench --drafter quantspec`) gets this host's
+    default."""
+    return config.get("weights", default_scheme())
+
+
 def check_config(config: dict) -> None:
     """A one-line error for a bundle's drafter config that does not describe this kind's scheme."""
-    weights = config.get("weights", default_scheme())
+    weights = weight_scheme(config)
     if weights not in SCHEMES:
         raise ValueError(f"quantspec weights {weights!r}: expected one of {', '.join(SCHEMES)}")
     reader = config.get("kv_reader", KV_READER)
@@ -97,8 +103,7 @@ class QuantSpecKind(DrafterKind):
 
     def drafter(self, module, config, target, max_len, keep_ids):
         check_config(config)
-        # a config naming no scheme (`pipeline bench --drafter quantspec`) gets this host's default
-        return QuantSpecDrafter(shared_copy(target, config.get("weights", default_scheme())), max_len)
+        return QuantSpecDrafter(shared_copy(target, weight_scheme(config)), max_len)
 
 
 KIND = QuantSpecKind()

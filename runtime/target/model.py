@@ -389,7 +389,7 @@ class Transformer(nn.Module):
             x = (x[:, -1:] if tail else x) + h
             x = x + block.feed_forward(block.ffn_norm(x))
             if weights is not None:
-                out.attention[i] = head_groups(weights, taps.attention_groups) if taps.attention_groups else weights
+                out.attention[i] = head_groups(weights, taps.attention_groups)
             if i in taps.hidden_layers:
                 out.layer_hidden[i] = x
         out.hidden = self.norm(x)

@@ -227,8 +227,7 @@ class EagleFamily(DrafterKind):
         T = ids.numel()
         features = target_out.features(module.aux_layers)[:, :-1]
         _, att = module.causal_step(ids[None, 1:], features, module.new_cache(1, T - 1), want_weights=True)
-        att = F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None]
-        return head_groups(att, kv_heads) if kv_heads else att
+        return head_groups(F.pad(on_target_keys(att), (0, 0, 1, 0))[0][None], kv_heads)
 
 
 def speculators_config(algorithm: str, verifier: dict, speculative_tokens: int) -> dict:

@@ -58,8 +58,11 @@ class SpecAttnConfig:
 
 def head_groups(attention: Tensor, n_kv_heads: int) -> Tensor:
     """[..., H, R, K] -> [..., n_kv_heads, R, K]: the draft heads averaged per target kv head (groups of H /
-    n_kv_heads), or [..., 1, R, K], all of them averaged, where they do not group (another model's heads)."""
+    n_kv_heads), or [..., 1, R, K], all of them averaged, where they do not group (another model's heads);
+    n_kv_heads 0: every head as it is."""
     H = attention.shape[-3]
+    if not n_kv_heads:
+        return attention
     if H % n_kv_heads:
         return attention.mean(-3, keepdim=True)
     return attention.unflatten(-3, (n_kv_heads, H // n_kv_heads)).mean(-3)

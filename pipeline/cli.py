@@ -11,8 +11,8 @@ from rich.table import Table
 from pipeline.bench.random_weights import add_arguments as add_bench_arguments, default_device
 from pipeline.errors import DraftsmithError
 from pipeline.flags import Parser, bounded
-from runtime.host_memory import keep_freed_memory, release_freed_memory
 from runtime.bundle_reader import BundleError
+from runtime.host_memory import keep_freed_memory, release_freed_memory
 
 console = Console(stderr=True)
 EXIT_GATE_FAILED = 3  # validate ran and its gate said no (the DAG branches on it); 1 = a stage failed, 2 = bad input

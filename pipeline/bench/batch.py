@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from pipeline.bench.harness import Speculation, device_name, interleaved, with_hf
-from runtime.host_memory import release_freed_memory
 from pipeline.tokens import encode, stop_ids
+from runtime.host_memory import release_freed_memory
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.serving.served_engine import batch_config
 from runtime.speculation.decode_stats import tokens_per_forward

@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
-from runtime.host_memory import release_freed_memory
 from pipeline.tokens import encode, stop_ids
 from runtime.device import cpu_model, synchronizer
+from runtime.host_memory import release_freed_memory
 from runtime.serving.budget_tuner import describe
 from runtime.serving.served_engine import ServedEngine, static_verify_config
 from runtime.speculation.decode_stats import tokens_per_forward

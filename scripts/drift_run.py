@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline.bench.airflow_local import airflow_api_server
-from pipeline.bench.code_prompts import code_prompts
+from pipeline.code_requests import code_prompts
 from pipeline.bench.load import free_port, stop, wait_healthy
 from pipeline.config import load_config
 from pipeline.registry import CHAMPION, RegisteredBundle, alias_ref, aliased

@@ -1,5 +1,6 @@
-"""Code requests of this project's own making, for measuring a drafter on traffic unlike its chat training data:
-programming tasks from templates whose blanks are filled from small word lists, in a seeded order."""
+"""Code requests of this project's own making, for measuring a drafter on traffic unlike its chat training data, and
+as the `code-requests` dataset (data.source), whose answers the target writes itself (data.regenerate): programming
+tasks from templates whose blanks are filled from small word lists, in a seeded order."""
 from __future__ import annotations
 
 import random
@@ -59,3 +60,15 @@ def code_prompts(n: int, seed: int = 0, avoid: set[str] = frozenset()) -> list[s
         raise ValueError(f"code_prompts: fewer than {n} distinct requests left")
     rng.shuffle(out)
     return out
+
+
+CODE_REQUESTS = "code-requests"  # the dataset's name as data.source
+# the dataset's size: the template with the fewest fillings (16) runs out of new ones past this many rounds
+MAX_REQUESTS = 12 * len(TEMPLATES)
+
+
+def request_conversations(limit: int | None = None) -> list[list[dict]]:
+    """The dataset: up to `limit` requests (at most MAX_REQUESTS), each a user turn and an empty assistant turn
+    for the target's own answer to fill."""
+    n = MAX_REQUESTS if limit is None else min(limit, MAX_REQUESTS)
+    return [[{"role": "user", "content": text}, {"role": "assistant", "content": ""}] for text in code_prompts(n)]

@@ -10,7 +10,7 @@ expanded nodes over the committed prefix is already in the target's coordinates 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,8 @@ class LMDrafter(Drafter):
         self.tree: tuple[Candidates, TreeSlots] | None = None  # the last proposal's nodes and their KV slots
         self.attention: Tensor | None = None  # [layers, heads, prefix] of the last propose, see draft_attention
         self.taps = Taps(attention_layers=tuple(range(model.config.n_layers)))
+        # the root's forward reads the prompt too: its other rows' weights would be [layers, heads, T, T]
+        self.root_taps = replace(self.taps, attention_last_row=True)
 
     def reset(self, tokens: Tensor, features: Tensor | None = None) -> None:
         self.cache.reset()
@@ -83,8 +85,8 @@ class LMDrafter(Drafter):
         n = int(cache.lengths[0])
         positions = n + torch.arange(toks.numel(), device=lm.device)
         prefix = n + toks.numel() - 1  # the root's position: the target verifies it after keys 0..prefix-1
-        taps = self.taps if self.track_attention else Taps()
-        out = lm(toks[None], cache, positions[None], taps=taps, no_logits=True)
+        root_taps, taps = (self.root_taps, self.taps) if self.track_attention else (Taps(), Taps())
+        out = lm(toks[None], cache, positions[None], taps=root_taps, no_logits=True)
         cache.advance(toks.numel())
         self.pending = []
         slots = TreeSlots(prefix_len=int(cache.lengths[0]), root_position=prefix, device=lm.device)

@@ -131,6 +131,8 @@ class Taps:
     # > 0: each block's weights averaged as tapped into this many kv-head groups (specattn.head_groups), so that
     # every layer's weights over a long row fit in memory
     attention_groups: int = 0
+    # the last query row's weights only, [B, heads, 1, keys]: what a drafter reads of its forward over a long prompt
+    attention_last_row: bool = False
 
     @staticmethod
     def entering(layers: tuple[int, ...]) -> "Taps":
@@ -209,12 +211,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, layer: int, cache: KVCache, slots: Tensor, n_live: int, mask: Mask,
                 cos: Tensor, sin: Tensor, want_weights: bool, keep: Tensor | None = None,
-                rows: Tensor | None = None, last_query: bool = False) -> tuple[Tensor, Tensor | None]:
+                rows: Tensor | None = None, last_query: bool = False,
+                weights_last_row: bool = False) -> tuple[Tensor, Tensor | None]:
         """keep [B, Hkv, 1|T, n_live]: SpecAttn's keys per kv head (runtime.target.attention), None: every key.
         rows: indices into the B*T queries whose output is wanted; the result is then [len(rows), dim] and the
         output projection runs on those only (training skips the queries no loss reads, see train.ttt).
         last_query: only the last query's output is wanted ([B, 1, dim]); every token's keys and values are still
-        written (a prefill's last layer, whose other outputs nothing reads)."""
+        written (a prefill's last layer, whose other outputs nothing reads). weights_last_row: the weights of the last
+        query only ([B, H, 1, n_live])."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -224,15 +228,22 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
         keys, values = cache.write(layer, slots, k, v, n_live)
         q = q.transpose(1, 2)  # [B, H, T, D]
-        if last_query:  # the last query sees every key a causal mask lets any of them see
-            q, T = q[:, :, -1:], 1
-            mask = mask[:, :, -1:] if isinstance(mask, Tensor) else None
+        if last_query:
+            (q, mask), T = last_row(q, mask), 1
             keep = keep if keep is None or keep.shape[2] == 1 else keep[:, :, -1:]
         attend = getattr(cache, "attend", None) or pick_backend(x.device)  # a cache may bring its own (train.ttt)
         out = attend(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
         if rows is not None:
             out = out.reshape(B * T, H * D).index_select(0, rows)
-        return self.wo(out), attention_weights(q, keys, mask) if want_weights else None
+        if not want_weights:
+            return self.wo(out), None
+        wq, wmask = last_row(q, mask) if weights_last_row else (q, mask)
+        return self.wo(out), attention_weights(wq, keys, wmask)
+
+
+def last_row(q: Tensor, mask: Mask) -> tuple[Tensor, Mask]:
+    """The last query [B, H, 1, D] and its mask: it sees every key a causal mask lets any query see."""
+    return q[:, :, -1:], mask[:, :, -1:] if isinstance(mask, Tensor) else None
 
 
 class FeedForward(nn.Module):
@@ -385,7 +396,7 @@ class Transformer(nn.Module):
             tail = last_only and i == len(self.layers) - 1
             h, weights = block.attention(block.attention_norm(x), i, cache, slots, n_live, mask, cos, sin,
                                          i in taps.attention_layers, None if kv_keep is None else kv_keep[i],
-                                         last_query=tail)
+                                         last_query=tail, weights_last_row=taps.attention_last_row)
             x = (x[:, -1:] if tail else x) + h
             x = x + block.feed_forward(block.ffn_norm(x))
             if weights is not None:

@@ -135,6 +135,25 @@ def test_attention_taps_averaged_per_kv_head_are_the_plain_taps_averaged(target)
         torch.testing.assert_close(grouped.attention[i], head_groups(plain.attention[i], 2))
 
 
+def test_taps_of_the_last_row_are_the_last_row_of_every_rows_taps(target):
+    """A drafter's root forward after a long prompt reads only its last row's weights (lm.LMDrafter.root_taps)."""
+    ids = torch.randint(0, 96, (1, 18), generator=torch.Generator().manual_seed(8))
+    layers = tuple(range(target.config.n_layers))
+    for cached in (0, 11):  # the whole prompt at once, and its tail after a cached prefix
+        outs = []
+        for last_row in (False, True):
+            cache = target.new_cache()
+            if cached:
+                target(ids[:, :cached], cache, torch.arange(cached)[None])
+                cache.advance(cached)
+            outs.append(target(ids[:, cached:], cache, torch.arange(cached, 18)[None],
+                               taps=Taps(attention_layers=layers, attention_last_row=last_row)))
+        every, last = outs
+        for i in layers:
+            assert last.attention[i].shape == (1, target.config.n_heads, 1, 18)
+            torch.testing.assert_close(last.attention[i], every.attention[i][:, :, -1:])
+
+
 def tree(*parents):
     return DraftTree(torch.arange(5, 5 + len(parents)), torch.tensor(parents))
 

@@ -77,6 +77,7 @@ class ReplayTarget:
                  *, taps: Taps = Taps(), last_logits_only: bool = False, kv_keep=None) -> ForwardOutput:
         """Transformer.forward's answer; of the hidden states only what the drafter reads, which `taps` asks for."""
         start, last = time.perf_counter(), len(self.sequence) - 1
+        cache.slots(tokens.shape[1])  # as a forward takes them: a quantised history's window grows to hold them
         position = positions[0].clamp(max=last)
         # a row past the reply's end follows its stop id: whatever it predicts is cut from the reply
         after = (position[-1:] if last_logits_only else position) + 1

@@ -451,6 +451,20 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
     assert 0 < errors["int8"] < errors["int4"]
 
 
+def test_a_replay_over_a_quantised_history_commits_the_reply(target_dir):
+    """The replayed target writes no KV, yet a quantised cache's window must grow as a real forward grows it: after a
+    reply that filled the cache, the next prompt starts in the short window left at its end."""
+    target = from_pretrained(target_dir, max_seq_len=250)
+    # the first reply ends at 249 tokens, 192 of them quantised: 58 slots are left, fewer than the 64 the window
+    # fills before its boundary moves (kv_recent and the block, 32 each)
+    fields = dict(max_seq_len=250, kv_scheme="int8", kv_recent=32)
+    engine = Engine(target, None, EngineConfig(**fields))
+    prompts = [[3 + i % 90 for i in range(n)] for n in (150, 20)]
+    refs = [reference(engine, p, 99, ()) for p in prompts]
+    replayed = ReplayTarget(target)
+    assert replay(replayed, Engine(replayed, None, EngineConfig(**fields)), refs, 99, ())["new_tokens"] == 198
+
+
 def test_a_replayed_budget_commits_the_reply_and_reaches_the_engines_tau(target_dir, distilled):
     data, tensors = distilled
     target = from_pretrained(target_dir, max_seq_len=256)

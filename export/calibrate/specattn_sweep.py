@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +42,12 @@ class CalibrationRow:
     # that only the top-p sweep reads: every layer's attention would not fit in memory)
     target_attention: torch.Tensor | None
     # [Ld, H, T, T]: per draft layer, query t's weights over the target's keys 0..t, as the drafter sees them
-    # when it proposes x_{t+1} (the EAGLE pair at t, the lm's token x_t)
-    draft_attention: torch.Tensor
+    # when it proposes x_{t+1} (the EAGLE pair at t, the lm's token x_t); None for a long row (draft_slices)
+    draft_attention: torch.Tensor | None
     dense_nll: torch.Tensor  # [T-1] -log p(x_{t+1} | x_0..x_t) of the dense target
+    # a long row's draft attention, its heads averaged per target kv head, computed afresh each time a sweep reads
+    # it, `rows` queries at a time (DrafterKind.draft_attention_slices): whole, it would not fit (12.9 GB at 8k)
+    draft_slices: Callable[[int], Iterator[torch.Tensor]] | None = None
 
     @property
     def draft_rows(self) -> torch.Tensor:
@@ -65,10 +69,12 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
     layers = tuple(range(target.config.n_layers)) if target_attention else ()
     taps = Taps(hidden_layers=Taps.entering(kind.reads(model)).hidden_layers, attention_layers=layers)
     out = target(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
-    att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])).float() if layers else None
-    # a long row keeps its draft heads averaged per target kv head, all kept_keys reads of them
-    att_d = kind.draft_attention(model, out, ids, kv_heads=0 if target_attention else target.config.n_kv_heads)
-    return CalibrationRow(ids, att_t, att_d.float(), hidden_nll(target, out.hidden, ids))
+    nll = hidden_nll(target, out.hidden, ids)
+    if not target_attention:  # a long row: its draft heads averaged per target kv head, all kept_keys reads of them
+        return CalibrationRow(ids, None, None, nll,
+                              partial(kind.draft_attention_slices, model, out, ids, target.config.n_kv_heads))
+    att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])).float()
+    return CalibrationRow(ids, att_t, kind.draft_attention(model, out, ids).float(), nll)
 
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -94,16 +100,25 @@ def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.T
     return S, LayerMap.fit(S, dense_first=min(dense_first, S.shape[1] - 1))
 
 
-def draft_selector(row: CalibrationRow) -> torch.Tensor:
-    """[Ld, H, T, T]: query t's keys as the drafter's query that would propose x_{t+1} ranks them, as the engine's
-    verify does for its root."""
-    return row.draft_attention
+def query_slices(attention: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+    """[L, H, T, T] -> `rows` queries at a time, each over the keys up to its last query."""
+    T = attention.shape[-1]
+    return (attention[:, :, start:start + rows, :min(start + rows, T)] for start in range(0, T, rows))
 
 
-def target_selector(row: CalibrationRow) -> torch.Tensor:
-    """[Lt, H, T, T]: each target layer's own attention, query t over keys 1..t (key 0, a sink, is always read):
-    the ranking a drafter that predicted every layer perfectly would give. Use with the identity layer map."""
-    return F.pad(row.target_attention, (1, 0, 1, 0))
+def draft_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:
+    """[Ld, H, rows, keys], `rows` queries at a time: query t's keys as the drafter's query that would propose
+    x_{t+1} ranks them, as the engine's verify does for its root."""
+    if row.draft_attention is None:
+        return (att.float() for att in row.draft_slices(rows))
+    return query_slices(row.draft_attention, rows)
+
+
+def target_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:
+    """[Lt, H, rows, keys], `rows` queries at a time: each target layer's own attention, query t over keys 1..t
+    (key 0, a sink, is always read): the ranking a drafter that predicted every layer perfectly would give. Use
+    with the identity layer map."""
+    return query_slices(F.pad(row.target_attention, (1, 0, 1, 0)), rows)
 
 
 QUERY_SLICE = 1024  # queries per sparse forward: a masked attention's scores follow the slice, not the row
@@ -111,23 +126,24 @@ QUERY_SLICE = 1024  # queries per sparse forward: a masked attention's scores fo
 
 @torch.inference_mode()
 def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
-               selector: Callable[[CalibrationRow], torch.Tensor] = draft_selector) -> tuple[torch.Tensor, int, int]:
+               selector: Callable[[CalibrationRow, int], Iterator[torch.Tensor]] = draft_selector
+               ) -> tuple[torch.Tensor, int, int]:
     """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys
-    `selector(row)` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified
-    and always read. A long row runs as forwards of QUERY_SLICE queries over a growing cache."""
-    T = row.ids.numel()
-    ranked = selector(row)  # a draft layer at a time: the search's temporaries then follow one layer, not all
-    keep = torch.cat([kept_keys(layer[None], torch.arange(T), T, target.config.n_kv_heads, sparse.top_p, sparse.sink,
-                                sparse.recent) for layer in ranked])
-    cache, hidden = target.new_cache(1, T), []
-    for start in range(0, T, QUERY_SLICE):
+    `selector` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified and
+    always read. The row runs as forwards of QUERY_SLICE queries over a growing cache, each with its slice's kept
+    keys."""
+    T, n_kv = row.ids.numel(), target.config.n_kv_heads
+    cache, hidden, reads, dense = target.new_cache(1, T), [], 0, 0
+    for start, ranked in zip(range(0, T, QUERY_SLICE), selector(row, QUERY_SLICE)):
         end = min(start + QUERY_SLICE, T)
-        out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None],
-                     kv_keep=sparse.layer_keep(keep[:, :, start:end, :end]), no_logits=True)
+        # a draft layer at a time: the search's temporaries then follow one layer, not all
+        keep = sparse.layer_keep(torch.cat([kept_keys(layer[None], torch.arange(start, end), end, n_kv, sparse.top_p,
+                                                      sparse.sink, sparse.recent) for layer in ranked]))
+        out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None], kv_keep=keep, no_logits=True)
         cache.advance(end - start)
         hidden.append(out.hidden)
-    visible = torch.ones(T, T, dtype=torch.bool).tril()
-    reads, dense = kv_reads(sparse.layer_keep(keep), visible, target.config.n_kv_heads)
+        slice_reads, slice_dense = kv_reads(keep, torch.ones(end - start, end, dtype=torch.bool).tril(start), n_kv)
+        reads, dense = reads + slice_reads, dense + slice_dense
     return hidden_nll(target, torch.cat(hidden, 1), row.ids), reads, dense
 
 

@@ -147,10 +147,18 @@ class LMKind(DrafterKind):
         return {"input_ids": torch.randint(0, module.config.vocab_size, (batch, seq), generator=generator)}
 
     def draft_attention(self, module, target_out, ids, kv_heads=0):
+        return next(self.draft_attention_slices(module, target_out, ids, kv_heads, ids.numel()))
+
+    def draft_attention_slices(self, module, target_out, ids, kv_heads, rows):
+        """Its own forward a slice of queries at a time over a growing cache: it reads the tokens alone."""
         T = ids.numel()
         taps = Taps(attention_layers=tuple(range(module.config.n_layers)), attention_groups=kv_heads)
-        o = module(ids[None], module.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
-        return torch.stack([o.attention[i][0] for i in taps.attention_layers])
+        cache = module.new_cache(1, T)
+        for start in range(0, T, rows):
+            end = min(start + rows, T)
+            o = module(ids[None, start:end], cache, torch.arange(start, end)[None], taps=taps, no_logits=True)
+            cache.advance(end - start)
+            yield torch.stack([o.attention[i][0] for i in taps.attention_layers])
 
     def hf_assistant(self, config):
         return Transformer(LMConfig.from_dict(config).model, 1)  # HF's model has its own rotary tables: ours go unused

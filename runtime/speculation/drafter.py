@@ -3,6 +3,7 @@ stages need to know about one kind of drafter (runtime/drafters holds one module
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -157,6 +158,15 @@ class DrafterKind:
         drafter sees them when it proposes x_{t+1}; `target_out` is the target's forward over `ids` [T].
         kv_heads > 0: the heads averaged into the target's kv-head groups as each layer is tapped (head_groups)."""
         raise self.unsupported("attention over the target's keys")
+
+    def draft_attention_slices(self, module: nn.Module, target_out: ForwardOutput, ids: Tensor, kv_heads: int,
+                               rows: int) -> Iterator[Tensor]:
+        """draft_attention `rows` queries at a time, each slice over the keys up to its last query: a long row's in
+        bounded memory. The default slices the whole; a kind that can compute a slice alone holds one at a time."""
+        att, T = self.draft_attention(module, target_out, ids, kv_heads), ids.numel()
+        for start in range(0, T, rows):
+            end = min(start + rows, T)
+            yield att[:, :, start:end, :end]
 
     def engine_exports(self, module: nn.Module, verifier: dict,
                        speculative_tokens: int = 5) -> dict[str, EngineExport | str]:

@@ -380,8 +380,8 @@ def test_a_long_row_keeps_draft_heads_averaged_per_kv_head_and_measures_the_same
     monkeypatch.setattr(specattn_sweep.hidden_nll, "__defaults__", (7,))  # logits 7 positions at a time
     full = calibration_row(target, get_kind("eagle"), eagle, ids)
     long = calibration_row(target, get_kind("eagle"), eagle, ids, target_attention=False)
-    assert long.target_attention is None and long.draft_attention.shape[1] == target.config.n_kv_heads
-    torch.testing.assert_close(long.draft_attention, head_groups(full.draft_attention, target.config.n_kv_heads))
+    assert long.target_attention is None and long.draft_attention is None
+    torch.testing.assert_close(next(long.draft_slices(30)), head_groups(full.draft_attention, target.config.n_kv_heads))
     logits = target(ids[None], target.new_cache(1, 30), torch.arange(30)[None]).logits
     torch.testing.assert_close(full.dense_nll, next_token_nll(logits, ids))
     sparse = SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2)
@@ -392,6 +392,27 @@ def test_a_long_row_keeps_draft_heads_averaged_per_kv_head_and_measures_the_same
     sliced_nll, sliced_reads, _ = sparse_nll(target, long, sparse)
     assert sliced_reads == reads
     torch.testing.assert_close(sliced_nll, nll, atol=1e-4, rtol=1e-4)
+
+
+def test_an_lm_drafters_long_row_computes_its_attention_a_slice_at_a_time(target_dir, distilled, monkeypatch):
+    """An lm drafter's long row never holds its whole draft attention: its own forward runs a slice of queries at a
+    time over a growing cache as the sweep reads it, and the keys kept, the reads and the perplexity stay the same."""
+    target = from_pretrained(target_dir, max_seq_len=64)
+    lm = lm_recipe.build_lm(target, 2, "target").eval()
+    kind, ids = get_kind("lm"), distilled[0].row(0)[0][:30]
+    full, long = (calibration_row(target, kind, lm, ids, target_attention=t) for t in (True, False))
+    sliced = list(long.draft_slices(7))
+    assert [s.shape[-2:] for s in sliced] == [(7, 7), (7, 14), (7, 21), (7, 28), (2, 30)]
+    whole = head_groups(full.draft_attention, target.config.n_kv_heads)
+    for start, s in zip(range(0, 30, 7), sliced):
+        torch.testing.assert_close(s, whole[:, :, start:start + 7, :start + s.shape[-2]])
+    sparse = SpecAttnConfig((-1, 0, 1, 1), 0.5, dense_first=1, sink=1, recent=2)
+    nll, reads, dense = sparse_nll(target, full, sparse)
+    monkeypatch.setattr(specattn_sweep, "QUERY_SLICE", 7)
+    long_nll, long_reads, long_dense = sparse_nll(target, long, sparse)
+    assert long_reads == reads < dense == long_dense
+    assert dense == target.config.n_layers * target.config.n_kv_heads * 30 * 31 // 2  # each query's keys 0..t
+    torch.testing.assert_close(long_nll, nll, atol=1e-4, rtol=1e-4)
 
 
 def test_choose_kv_scheme_is_the_smallest_within_both_tolerances_and_the_slowdown():

@@ -115,7 +115,7 @@ class DrafterCfg(Section):
 
 
 class DistillCfg(Section):
-    steps: int = Field(1400, ge=1)
+    steps: int = Field(1400, ge=0)  # 0: the drafter as built, untrained (an lm drafter's lm_base as it is)
     batch_size: int = Field(8, ge=1)
     lr: float = Field(1e-3, gt=0)
     warmup: int = Field(50, ge=0)

@@ -95,20 +95,22 @@ def run_distill(ctx: StageContext) -> StageResult:
     if source is not None:
         load_warm_start(ctx, source, model, target, warm)
     steps = s.warm_steps if source is not None else s.steps
-    spec = TrainSpec(steps=steps, lr=s.lr, warmup=min(s.warmup, steps - 1), weight_decay=s.weight_decay,
-                     ckpt_every=s.ckpt_every, eval_every=s.eval_every, seed=ctx.cfg.run.seed, deepspeed=s.deepspeed,
-                     bf16_autocast=use_bf16(s.precision, target.device, training=True))
-    # Checkpoints live outside the atomic stage dir, keyed by the inputs digest (and by the version a warm start began
-    # from, which the digest does not hold): a killed distill resumes.
-    ckpt = ctx.store.dir / (f".distill-ckpt-{ctx.digest[:16]}" + (f"-from-v{source.version}" if source else ""))
     streams = kind.streams(d, target.config.n_layers)
     features = load_features(prep, "train", train_set.input_ids.numel(), streams)  # None: the target runs in training
-    batches = Batches(train_set, s.batch_size, seed=ctx.cfg.run.seed, features=features)
     val = TokenizedSet.load(prep / "val.safetensors")
-    val_features = load_features(prep, "val", val.input_ids.numel(), streams)
-    val_batch = Batches(val, min(s.eval_rows, len(val)), seed=ctx.cfg.run.seed, features=val_features).batch_at(0)
-    result = train(model, loss_fn, batches, spec, ckpt, log=mlflow_logger(),
-                   eval_fn=recipe.evaluator(target, val_batch, d))
+    result = {"step": 0, "metrics": {}, "seconds": 0.0}  # distill.steps 0: the drafter as built (an lm_base as it is)
+    if steps:
+        spec = TrainSpec(steps=steps, lr=s.lr, warmup=min(s.warmup, steps - 1), weight_decay=s.weight_decay,
+                         ckpt_every=s.ckpt_every, eval_every=s.eval_every, seed=ctx.cfg.run.seed,
+                         deepspeed=s.deepspeed, bf16_autocast=use_bf16(s.precision, target.device, training=True))
+        # Checkpoints live outside the atomic stage dir, keyed by the inputs digest (and by the version a warm start
+        # began from, which the digest does not hold): a killed distill resumes.
+        ckpt = ctx.store.dir / (f".distill-ckpt-{ctx.digest[:16]}" + (f"-from-v{source.version}" if source else ""))
+        batches = Batches(train_set, s.batch_size, seed=ctx.cfg.run.seed, features=features)
+        val_features = load_features(prep, "val", val.input_ids.numel(), streams)
+        val_batch = Batches(val, min(s.eval_rows, len(val)), seed=ctx.cfg.run.seed, features=val_features).batch_at(0)
+        result = train(model, loss_fn, batches, spec, ckpt, log=mlflow_logger(),
+                       eval_fn=recipe.evaluator(target, val_batch, d))
     model = recipe.finish(model)
     tensors = drafter_tensors(model, keep)
     save_file(tensors, str(ctx.out / "drafter.safetensors"))
@@ -135,6 +137,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     return StageResult(outputs=outputs, metrics=metrics,
                        message=f"{d.kind}: tau {tau['tau']:.2f} on {tau['tau_prompts']} val prompts"
                        + (f" ({tau['tau_lookup']:.2f} with the lookup branch)" if d.lookup else "")
+                       + ("" if steps else ", untrained (distill.steps 0)")
                        + warm_start_note(ctx, source, steps))
 
 

@@ -18,7 +18,7 @@ from pipeline.stages.distill import build, run_distill
 from pipeline.stages.export import run_export
 from pipeline.stages.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
 from runtime.bundle_reader import LOOKUP_CORPUS, SPECATTN, read_bundle
-from runtime.drafters import build_drafter, drafter_config, drafter_tensors
+from runtime.drafters import build_drafter, drafter_config, drafter_module, drafter_tensors
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.ngram import answer_spans
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
@@ -267,6 +267,22 @@ def test_lm_bundle_from_distill_exports_and_validates_with_hf_peers(tmp_path, ta
     assert report["metrics"]["speedup_hf_lookup"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_s_hf_lookup"])
     md = (store.stage_dir("validate") / REPORT_MD).read_text()
     assert "HF assisted" in md and "HF prompt lookup" in md and "HF prompt lookup" in rec["message"]
+
+
+def test_an_lm_base_distilled_for_no_steps_ships_as_it_is(tmp_path, target_dir, target, self_distilled,
+                                                         tiny_model_dir):
+    """distill.steps 0: a same-tokenizer sibling drafts as it is, through the stages like a trained drafter."""
+    base_dir = tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1)
+    cfg = _lm_config().model_copy(update={
+        "drafter": _lm_config().drafter.model_copy(update={"lm_base": str(base_dir), "draft_vocab": 0}),
+        "distill": _lm_config().distill.model_copy(update={"steps": 0})})
+    store, rec = _distilled(tmp_path, cfg, target_dir, self_distilled)
+    assert rec["metrics"]["steps"] == 0 and rec["message"].endswith("untrained (distill.steps 0)")
+    tensors = load_file(str(store.stage_dir("distill") / "drafter.safetensors"))
+    config = json.loads((store.stage_dir("distill") / "drafter_config.json").read_text())
+    shipped = drafter_module(config, target, tensors).state_dict()
+    base = from_pretrained(base_dir, max_seq_len=256).state_dict()
+    assert shipped.keys() == base.keys() and all(torch.equal(shipped[k], base[k]) for k in base)
 
 
 def test_a_bundle_with_sparse_verification_is_served_sparse_and_reported_lossy_by_design(tmp_path, target_dir,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from export.calibrate.specattn_sweep import next_token_nll, perplexity
+from export.calibrate.specattn_sweep import hidden_nll, perplexity
 from export.calibrate.timing import interleaved_ms
 from runtime.bundle_reader import KV_QUANT, NO_KV_QUANT
 from runtime.speculation.drafter import Drafter
@@ -30,14 +30,15 @@ def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None)
     """Next-token NLL [T-1] of one row with the KV history stored as `quant` says (None: full precision)."""
     c, T = target.config, ids.numel()
     cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, T, c.head_dim, quant, target.dtype, target.device)
-    logits, start = [], 0
+    hidden, start = [], 0
     while start < T:
         n = T - start if not isinstance(cache, QuantizedKVCache) else min(T - start, cache.exact_depth() + 1)
         chunk = ids[start:start + n].to(target.device)
-        logits.append(target(chunk[None], cache, torch.arange(start, start + n, device=target.device)[None]).logits)
+        hidden.append(target(chunk[None], cache, torch.arange(start, start + n, device=target.device)[None],
+                             no_logits=True).hidden)
         cache.advance(n)
         start += n
-    return next_token_nll(torch.cat(logits, dim=1), ids.to(target.device))
+    return hidden_nll(target, torch.cat(hidden, dim=1), ids.to(target.device))  # a long row's logits would not fit
 
 
 @torch.inference_mode()

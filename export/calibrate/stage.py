@@ -22,7 +22,7 @@ from runtime.drafters import drafter_module, get_kind, served_drafter
 from runtime.drafters.ngram import load_corpus
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
-from runtime.target.model import Transformer
+from runtime.target.model import ModelConfig, Transformer
 from runtime.target.precision import float_dtype
 
 NOT_APPLICABLE = "not applicable"
@@ -32,9 +32,11 @@ class CalibrateContext(Protocol):
     """What calibrate needs of the stage context the pipeline runs it with (pipeline.stages.context.StageContext)."""
     cfg: Any  # the run's pipeline.config.Config
     out: Path
+    target_dir: Path
 
     def input(self, stage: str) -> Path: ...
-    def load_target(self, max_seq_len: int | None = ..., precision: str = ...) -> Transformer: ...
+    def load_target(self, max_seq_len: int | None = ..., precision: str = ..., *,
+                    min_seq_len: int = ...) -> Transformer: ...
     def configured_budget(self) -> ServedBudget: ...
     def stop_ids(self) -> tuple[int, ...]: ...
     def tau_probe(self, prompts: list[list[int]], new_tokens: int) -> TauProbe: ...
@@ -125,15 +127,13 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     configured, corpus_file = ctx.configured_budget(), ctx.lookup_corpus_file()
     with tqdm(total=4, desc="calibrate: load", unit="step") as bar:
         bar.set_postfix_str("target")
-        target = ctx.load_target()
         # drafting after calibrate.context tokens: the whole tree past the last new token
-        positions = c.context + s.tau_new_tokens + configured.tree.max_nodes + configured.lookup + 1
-        if c.context and positions > target.config.max_position_embeddings:
+        positions = c.context + s.tau_new_tokens + configured.tree.max_nodes + configured.lookup + 1 if c.context else 0
+        limit = ModelConfig.from_dir(ctx.target_dir).max_position_embeddings
+        if positions > limit:
             raise ValueError(f"calibrate.context={c.context}: drafting {s.tau_new_tokens} tokens after it needs "
-                             f"{positions} positions, more than the target's context of "
-                             f"{target.config.max_position_embeddings}")
-        if c.context and positions > target.max_seq_len:
-            target = ctx.load_target(positions)
+                             f"{positions} positions, more than the target's context of {limit}")
+        target = ctx.load_target(min_seq_len=positions)  # once: a second copy's freed pages stay resident
         bar.update()
         # KV decode steps and draft budgets are timed in the precision validate and serving run: bf16 verifies a
         # tree at relatively less cost than fp32 where it is fast, which moves the fastest budget

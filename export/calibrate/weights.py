@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from runtime.drafters import drafter_module, served_drafter
+from runtime.host_memory import release_freed_memory
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import Transformer
 from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
@@ -57,4 +58,5 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, tensors: dict[
     (out / "quant.json").write_text(json.dumps(report, indent=2) + "\n")
     if chosen != "fp32":
         save_file(packed[chosen], str(out / "quant.safetensors"), metadata={"scheme": chosen})
+    release_freed_memory()  # every scheme's drafter copies: a 0.5B sibling's are 2 GB each
     return report

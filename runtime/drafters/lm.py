@@ -10,6 +10,7 @@ expanded nodes over the committed prefix is already in the target's coordinates 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -40,12 +41,26 @@ class LMConfig:
         return LMConfig(ModelConfig(**model), int(config.get("draft_vocab", 0)))
 
 
+# each module's packed draft heads by draft vocabulary: calibrate and serving build many drafters around one module,
+# and a sibling's 151,936-row head packed is 0.5 GB
+_HEADS: weakref.WeakKeyDictionary[Transformer, dict[tuple[int, ...] | None, DraftHead]] = weakref.WeakKeyDictionary()
+
+
+def packed_head(model: Transformer, keep_ids: Tensor | None) -> DraftHead:
+    """The LM's own head over `keep_ids` (None: every row), packed for CPU once per module and vocabulary."""
+    heads = _HEADS.setdefault(model, {})
+    key = None if keep_ids is None else tuple(keep_ids.tolist())
+    if key not in heads:
+        heads[key] = pack_for_cpu(DraftHead(model.output, keep_ids))
+    return heads[key]
+
+
 class LMDrafter(Drafter):
     def __init__(self, model: Transformer, max_len: int, keep_ids: Tensor | None = None):
         """`model` runs inference only from here on: its weights are prepacked for CPU decoding (in place).
         `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
         self.model = model.eval().requires_grad_(False).pack_for_cpu()
-        self.head = pack_for_cpu(DraftHead(model.output, keep_ids))
+        self.head = packed_head(model, keep_ids)
         self.vocab: DraftHead | None = self.head  # what the head's rows are over (grow_tree's vocab)
         self.vocab_size = self.head.vocab_size
         self.cache = model.new_cache(1, max_len)

@@ -150,6 +150,17 @@ def test_kept_tree_kv_matches_a_fresh_drafter(target):
     assert kept > 0  # some committed tokens kept the KV their tree node had
 
 
+def test_drafters_around_one_module_share_its_packed_head(target):
+    """Calibrate builds a drafter per budget around one module: the packed head (a copy of the LM's output rows)
+    is built once per draft vocabulary, not once per drafter."""
+    lm = lm_recipe.build_lm(target, 1, "target").eval()
+    keep = torch.arange(0, 96, 2)
+    first, second = LMDrafter(lm, 64), LMDrafter(lm, 64)
+    reduced, again = LMDrafter(lm, 64, keep), LMDrafter(lm, 64, keep.clone())
+    assert first.head is second.head and reduced.head is again.head and first.head is not reduced.head
+    assert reduced.head.vocab_size == 96 and torch.equal(reduced.head.keep_ids, keep)
+
+
 def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model_dir, tmp_path):
     base_dir = tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1)
     model = lm_recipe.build_lm_lora(target, base_dir, rank=4)

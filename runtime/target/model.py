@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.target.attention import Mask, attention_mask, attention_weights, causal_mask, head_groups, pick_backend
+from runtime.target.attention import (Mask, attention_mask, attention_weights, causal_mask, head_groups,
+                                      last_query_row, pick_backend)
 from runtime.target.cpu_packing import Linear, pack_for_cpu, prefill_products
 from runtime.target.kv_cache import KVCache
 
@@ -131,8 +132,7 @@ class Taps:
     # > 0: each block's weights averaged as tapped into this many kv-head groups (specattn.head_groups), so that
     # every layer's weights over a long row fit in memory
     attention_groups: int = 0
-    # the last query row's weights only, [B, heads, 1, keys]: what a drafter reads of its forward over a long prompt
-    attention_last_row: bool = False
+    attention_last_row: bool = False  # the last query's weights only [B, heads, 1, keys]: a root after a long prompt
 
     @staticmethod
     def entering(layers: tuple[int, ...]) -> "Taps":
@@ -217,8 +217,7 @@ class Attention(nn.Module):
         rows: indices into the B*T queries whose output is wanted; the result is then [len(rows), dim] and the
         output projection runs on those only (training skips the queries no loss reads, see train.ttt).
         last_query: only the last query's output is wanted ([B, 1, dim]); every token's keys and values are still
-        written (a prefill's last layer, whose other outputs nothing reads). weights_last_row: the weights of the last
-        query only ([B, H, 1, n_live])."""
+        written (a prefill's last layer, whose other outputs nothing reads). weights_last_row: the last query's only."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -229,21 +228,13 @@ class Attention(nn.Module):
         keys, values = cache.write(layer, slots, k, v, n_live)
         q = q.transpose(1, 2)  # [B, H, T, D]
         if last_query:
-            (q, mask), T = last_row(q, mask), 1
+            (q, mask), T = last_query_row(q, mask), 1
             keep = keep if keep is None or keep.shape[2] == 1 else keep[:, :, -1:]
         attend = getattr(cache, "attend", None) or pick_backend(x.device)  # a cache may bring its own (train.ttt)
         out = attend(q, keys, values, mask, keep).transpose(1, 2).reshape(B, T, H * D)
         if rows is not None:
             out = out.reshape(B * T, H * D).index_select(0, rows)
-        if not want_weights:
-            return self.wo(out), None
-        wq, wmask = last_row(q, mask) if weights_last_row else (q, mask)
-        return self.wo(out), attention_weights(wq, keys, wmask)
-
-
-def last_row(q: Tensor, mask: Mask) -> tuple[Tensor, Mask]:
-    """The last query [B, H, 1, D] and its mask: it sees every key a causal mask lets any query see."""
-    return q[:, :, -1:], mask[:, :, -1:] if isinstance(mask, Tensor) else None
+        return self.wo(out), attention_weights(q, keys, mask, weights_last_row) if want_weights else None
 
 
 class FeedForward(nn.Module):

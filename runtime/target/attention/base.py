@@ -88,8 +88,16 @@ def exact_dtype(q: Tensor, mask: Mask = None) -> torch.dtype:
     return q.dtype
 
 
-def attention_weights(q: Tensor, keys: Tensor, mask: Mask) -> Tensor:
-    """The softmax weights [B, H, T, S] that attention applies (for taps and calibration; reference math)."""
+def last_query_row(q: Tensor, mask: Mask) -> tuple[Tensor, Mask]:
+    """The last query [B, H, 1, D] and its mask: it sees every key a causal mask lets any query see."""
+    return q[:, :, -1:], mask[:, :, -1:] if isinstance(mask, Tensor) else None
+
+
+def attention_weights(q: Tensor, keys: Tensor, mask: Mask, last_row: bool = False) -> Tensor:
+    """The softmax weights [B, H, T, S] that attention applies (for taps and calibration; reference math); with
+    `last_row` the last query's only, [B, H, 1, S]."""
+    if last_row:
+        q, mask = last_query_row(q, mask)
     qg, mask_g = grouped(q, keys, mask, None)
     scores = qg @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if mask_g is not None:

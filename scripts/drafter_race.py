@@ -1,7 +1,8 @@
 """Drafters for one target raced on the same prompts, in one process, alternating prompt by prompt: our AR decode,
-quantspec (the target's quantised copy) at chain budgets, weight schemes and draft threads, a bundle at its served budget, and a sibling LM (same tokenizer)
-used as it is as the draft model. Greedy; prints tokens a second, the ratio to AR, tau, ms per step (draft and
-verify), and whether every reply equals plain decoding's over the same KV (AR's, or a bundle's quantised one).
+quantspec (the target's quantised copy) at chain budgets, weight schemes and draft threads, bundles at their served
+budgets, and a sibling LM (same tokenizer) used as it is as the draft model. Greedy; prints tokens a second, the
+ratio to AR, tau, ms per step (draft and verify), and whether every reply equals plain decoding's over the same KV
+(AR's, or a bundle's quantised one).
 
     python scripts/drafter_race.py --target qwen2.5-coder-1.5b-instruct --quantspec 4x1,5x1 \\
         --bundle runs/<id>/export/bundle --sibling qwen2.5-coder-0.5b-instruct --lm-budgets 4x1 --max-new-tokens 128
@@ -35,7 +36,8 @@ def main() -> None:
     p.add_argument("--draft-threads", default="0", help="quantspec: threads a draft runs on, each raced, e.g. 1,2 "
                    "(0: torch's)")
     p.add_argument("--weights", default="auto", help="quantspec: weight schemes, each raced, e.g. int8,int4-g32")
-    p.add_argument("--bundle", help="a bundle directory, raced at its served budget")
+    p.add_argument("--bundle", action="append", default=[], help="a bundle directory, raced at its served budget "
+                   "(repeat for several)")
     p.add_argument("--sibling", help="a same-tokenizer LM (preset or directory) drafting as it is")
     p.add_argument("--lm-budgets", default="4x1")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -59,8 +61,8 @@ def main() -> None:
         name = f"quantspec {config['weights']} {b.spec}" + (f", draft on {n} thread{'s' * (n > 1)}" if n else "")
         engines[name], threads[name] = Engine(target, drafter, EngineConfig(
             max_seq_len=max_len, speed_check=False, **b.engine_fields())), n or None
-    if args.bundle:
-        bundle = read_bundle(args.bundle, target_fingerprint(target_dir))
+    for path in args.bundle:
+        bundle = read_bundle(path, target_fingerprint(target_dir))
         served = served_engine(bundle, target, max_len, graphed=False, speed_check=False)
         name = f"{bundle.kind} bundle ({bundle.served_budget(ServedBudget()).spec})"
         if served.engine.cfg.kv_scheme:  # its replies are plain decoding's over the same quantised KV, not ar's

@@ -20,6 +20,7 @@ from export.calibrate.weights import calibrate_quant
 from runtime.bundle_reader import KV_QUANT, kv_engine_fields
 from runtime.drafters import drafter_module, get_kind, served_drafter
 from runtime.drafters.ngram import load_corpus
+from runtime.host_memory import release_freed_memory
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import ModelConfig, Transformer
@@ -149,6 +150,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         bar.set_postfix_str("validation rows")
         val = ctx.validation_set()
         bar.update()
+    release_freed_memory()  # the loads' transient copies: held by the allocator, they would stay resident
     prompts = ctx.validation_prompts(s.tau_prompts)
     if not prompts:
         raise ValueError("calibrate: the validation split has no row with a prompt before its assistant turn")

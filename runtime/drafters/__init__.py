@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import cache
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -66,9 +67,19 @@ def drafter_module(config: dict, target: Transformer, tensors: dict[str, torch.T
 def with_weights(kind: DrafterKind, module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
     """`module` with the trained `tensors` loaded; ValueError where they do not fit it."""
     weights = {k: v for k, v in tensors.items() if k != DRAFT_VOCAB}
-    missing, unexpected = module.load_state_dict(weights, strict=False)
-    params = dict(module.named_parameters(remove_duplicate=False))
-    missing = [m for m in missing if not any(params.get(m) is params.get(w) for w in weights)]  # tied: loaded once
+    groups: dict[int, list[str]] = {}  # the names of each parameter: a tied one has several, and is stored once
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    # assign: the module holds the caller's tensors, not a copy beside them (2 GB more for a 0.5B sibling in fp32)
+    missing, unexpected = module.load_state_dict(weights, strict=False, assign=True)
+    loaded = set()
+    for names in groups.values():
+        source = next((n for n in names if n in weights), None)
+        for n in names if source else ():
+            owner, _, leaf = n.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, module.get_parameter(source))  # tied again
+            loaded.add(n)
+    missing = [m for m in missing if m not in loaded]
     if missing or unexpected:
         raise ValueError(f"weights do not fit a {kind.name} drafter (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]})")
@@ -120,9 +131,22 @@ def bundle_weights(bundle: Bundle, dtype: torch.dtype) -> tuple[dict, dict[str, 
 
 def build_drafter(bundle: Bundle, target: Transformer, max_len: int) -> Drafter:
     """The Drafter a bundle serves, every file of it checked by the reader first."""
+    return drafter_factory(bundle, target, max_len)()
+
+
+def drafter_factory(bundle: Bundle, target: Transformer, max_len: int) -> Callable[[], Drafter]:
+    """New Drafters of a bundle, each with its own state around one module loaded once: serving makes one per batch
+    row and per budget it falls back to, and a sibling LM's weights are gigabytes."""
     config, tensors = bundle_weights(bundle, target.dtype)
-    try:
-        module = drafter_module(config, target, tensors, max_len) if get_kind(config["kind"]).weighted else None
-        return served_drafter(config, module, target, tensors, max_len)
-    except (ValueError, TypeError, KeyError) as e:  # a config or weights that do not describe its kind
-        raise BundleError(f"bundle {bundle.dir}: {e}") from None
+    vocab = {k: v for k, v in tensors.items() if k == DRAFT_VOCAB}
+
+    def checked(make: Callable[[], Any]) -> Any:
+        try:
+            return make()
+        except (ValueError, TypeError, KeyError) as e:  # a config or weights that do not describe its kind
+            raise BundleError(f"bundle {bundle.dir}: {e}") from None
+
+    module = checked(lambda: drafter_module(config, target, tensors, max_len)
+                     if get_kind(config["kind"]).weighted else None)
+    del tensors  # the module holds them
+    return lambda: checked(lambda: served_drafter(config, module, target, vocab, max_len))

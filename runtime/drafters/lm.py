@@ -57,9 +57,10 @@ def packed_head(model: Transformer, keep_ids: Tensor | None) -> DraftHead:
 
 class LMDrafter(Drafter):
     def __init__(self, model: Transformer, max_len: int, keep_ids: Tensor | None = None):
-        """`model` runs inference only from here on: its weights are prepacked for CPU decoding (in place).
-        `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the drafts."""
-        self.model = model.eval().requires_grad_(False).pack_for_cpu()
+        """`model` runs inference only from here on: its weights are prepacked for CPU decoding in place, lean (one
+        copy each). `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the
+        drafts."""
+        self.model = model.eval().requires_grad_(False).pack_for_cpu(lean=True)
         self.head = packed_head(model, keep_ids)
         self.vocab: DraftHead | None = self.head  # what the head's rows are over (grow_tree's vocab)
         self.vocab_size = self.head.vocab_size

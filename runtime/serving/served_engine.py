@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from runtime.bundle_reader import Bundle
-from runtime.drafters import build_drafter, get_kind
+from runtime.drafters import drafter_factory, get_kind
 from runtime.drafters.ngram import NgramDrafter
 from runtime.serving.batch_engine import BatchEngine
 from runtime.serving.budget_tuner import BATCH_NEW_TOKENS, ENGINE_NEW_TOKENS, choose_on_device, measure_policy
@@ -125,7 +125,7 @@ def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fall
     every static step in a CUDA graph. `speed_check` pauses speculation while it loses to plain decoding
     (EngineConfig.speed_check); off, the engine measures how far a budget reaches."""
     graphed = target.device.type == "cuda" if graphed is None else graphed
-    new_drafter = lambda: build_drafter(bundle, target, max_seq_len)  # noqa: E731
+    new_drafter = drafter_factory(bundle, target, max_seq_len)
 
     window = DRAFT_WINDOW if get_kind(bundle.kind).weighted else 0
 

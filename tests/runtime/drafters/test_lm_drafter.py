@@ -18,13 +18,14 @@ from pipeline.stages.distill import build, run_distill
 from pipeline.stages.export import run_export
 from pipeline.stages.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
 from runtime.bundle_reader import LOOKUP_CORPUS, SPECATTN, read_bundle
-from runtime.drafters import build_drafter, drafter_config, drafter_module, drafter_tensors
+from runtime.drafters import build_drafter, drafter_config, drafter_factory, drafter_module, drafter_tensors
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.ngram import answer_spans
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.target.attention import SpecAttnConfig
+from runtime.target.cpu_packing import Packable
 from runtime.target.loading import from_pretrained
 from runtime.target.loading import hf_causal_lm, hf_config, hf_state_dict
 from runtime.target.model import Transformer
@@ -320,3 +321,39 @@ def test_a_bundle_with_sparse_verification_is_served_sparse_and_reported_lossy_b
     lossy = {**report["metrics"], "lossless": False, "lossy_prompts": 1}
     assert "lossy by design" in gate_reasons(lossy, _lm_config().validate.gate, sparse=True)[0]
     assert "lossy by design" not in gate_reasons(lossy, _lm_config().validate.gate)[0]
+
+
+def test_a_drafter_module_holds_the_tensors_it_is_given_its_tied_head_still_tied(target, tiny_model_dir):
+    """No second copy of a drafter's weights beside the loaded ones (a 0.5B sibling's are 2 GB) nor beside the packed
+    ones, and a tied head, stored once, is the embedding again."""
+    base = from_pretrained(tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1), max_seq_len=64)
+    tensors = drafter_tensors(base, None)
+    assert "output.weight" not in tensors
+    module = drafter_module(drafter_config("lm", base, 0, None), target, tensors)
+    held = {t.data_ptr() for t in tensors.values()}
+    assert all(p.data_ptr() in held for p in module.parameters())
+    assert module.output.weight is module.tok_embeddings.weight
+    ids = torch.tensor([[1, 5, 9, 2]])
+    assert torch.allclose(module.forward_uncached(ids).logits, base.forward_uncached(ids).logits, atol=1e-5)
+    LMDrafter(module, 64)  # drafting packs it, one copy of each weight: the packed one but the tied head's
+    assert all(m.weight.is_meta for m in module.layers.modules() if isinstance(m, Packable))
+
+
+def test_a_bundles_drafters_share_one_module_and_keep_their_own_state(target, self_distilled, tmp_path):
+    """Serving makes a drafter per batch row and per budget: they share the bundle's module, loaded once, and
+    interleaved they draft what a drafter alone drafts."""
+    model = perturbed(lm_recipe.build_lm(target, 1, "target"), scale=0.05)
+    write_bundle(tmp_path / "bundle", drafter_config("lm", model, 0, None), drafter_tensors(model, None),
+                 target_fingerprint="t", data_digest="d", config={}, code_version="test")
+    bundle = read_bundle(tmp_path / "bundle", "t")
+    new = drafter_factory(bundle, target, 256)
+    first, second = new(), new()
+    assert first.model is second.model and first.cache is not second.cache
+    cfg = EngineConfig(max_seq_len=256, budget=DraftBudget(3, 2, 6), adaptive=False)
+    prompts = [self_distilled.row(i)[0][:6].tolist() for i in range(2)]
+    alone = [Engine(target, build_drafter(bundle, target, 256), cfg).generate(p, 20, SamplingParams()) for p in prompts]
+    engines = [Engine(target, first, cfg), Engine(target, second, cfg)]
+    for _ in range(2):  # each engine's prompt in turn, the other's state left in the shared module's drafters
+        for engine, prompt, want in zip(engines, prompts, alone):
+            got = engine.generate(prompt, 20, SamplingParams())
+            assert got.tokens == want.tokens and got.metrics.target_forwards == want.metrics.target_forwards

@@ -141,7 +141,8 @@ def measure(ctx: StageContext, prompts: list[list[int]], temperatures: list[floa
     timed = {t: {**timed[t], **hf_timed[t]} for t in temperatures}
     # the drafter's reach: greedy with the whole configured tree and lookup branch, which the served budget
     # trades for speed where a wide verify costs more than it gains (untimed; a fresh drafter, the same KV)
-    full = served_engine(bundle, target, max_seq_len, budget=configured, speed_check=False).engine
+    full = served_engine(bundle, target, max_seq_len, budget=configured, speed_check=False,
+                         new_drafter=served.new_drafter).engine
     configured_tree = time_methods({"full": ours(full, v.max_new_tokens, stop_ids)}, prompts, SamplingParams(), seed,
                                    desc="validate: the configured tree")["full"]
     return {"kind": bundle.kind, "dtype": str(target.dtype).removeprefix("torch."), "device": device_name(),

@@ -118,14 +118,16 @@ def smaller_budgets(budget: ServedBudget, sweep: list[dict], most: int = 3) -> l
 def served_engine(bundle: Bundle, target: Transformer, max_seq_len: int, *, fallback: ServedBudget = ServedBudget(),
                   budget: ServedBudget | None = None, device_prompt: list[int] | None = None,
                   specattn_top_p: float | None = None, graphed: bool | None = None,
-                  new_tokens: int = ENGINE_NEW_TOKENS, speed_check: bool = True) -> ServedEngine:
+                  new_tokens: int = ENGINE_NEW_TOKENS, speed_check: bool = True,
+                  new_drafter: Callable[[], Drafter] | None = None) -> ServedEngine:
     """The engine `bundle` serves with on `target`'s device. Its budget: `budget` where given, else the one calibrate
     chose (`fallback` for bundles without one); with `device_prompt`, the bundle's device candidate that commits the
     most tokens a second on this device, each timed first on that prompt. `graphed` (default: on CUDA) captures
     every static step in a CUDA graph. `speed_check` pauses speculation while it loses to plain decoding
-    (EngineConfig.speed_check); off, the engine measures how far a budget reaches."""
+    (EngineConfig.speed_check); off, the engine measures how far a budget reaches. `new_drafter`: another served
+    engine's, whose module this one shares instead of loading the bundle's again."""
     graphed = target.device.type == "cuda" if graphed is None else graphed
-    new_drafter = drafter_factory(bundle, target, max_seq_len)
+    new_drafter = new_drafter or drafter_factory(bundle, target, max_seq_len)
 
     window = DRAFT_WINDOW if get_kind(bundle.kind).weighted else 0
 

@@ -89,10 +89,17 @@ class Packable:
         those (an exact copy)."""
         if not self.weight.is_meta:
             return self.weight.detach() if ids is None else self.weight.detach()[ids]
-        if self.panels is None:
-            raise ValueError("a lean linear layer packed for oneDNN has no weight to read: load the target without "
-                             "lean (or with fp32 on a CPU our kernel serves)")
+        if self.panels is None:  # oneDNN's blocked layout is opaque: read it back through products
+            weight = self.onednn_weight()
+            return weight if ids is None else weight[ids]
         return cpu_gemm.unpack(self.panels, self.weight.shape[0], ids)
+
+    def onednn_weight(self, cols: int = 512) -> Tensor:
+        """The whole weight [N, K] of a layer packed for oneDNN alone: the identity's rows times it are the
+        weight's columns, exactly (each output is one weight times 1, plus zeros)."""
+        k = self.weight.shape[1]
+        eye = torch.eye(k, dtype=self.packed.dtype)
+        return torch.cat([self._packed(eye[i:i + cols], None) for i in range(0, k, cols)]).t().contiguous()
 
     @property
     def own_fp32(self) -> bool:

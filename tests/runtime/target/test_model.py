@@ -267,6 +267,13 @@ def test_a_lean_model_holds_one_copy_of_each_weight_and_computes_the_same(tiny_m
     ids = torch.tensor([0, 17, 95])
     torch.testing.assert_close(lean.output.weight_rows(), full.output.weight, rtol=0, atol=0)
     torch.testing.assert_close(lean.output.weight_rows(ids), full.output.weight[ids], rtol=0, atol=0)
+    # and so does every block weight, from whichever one copy it keeps (quantspec quantises them)
+    plain = dict(full.named_modules())
+    for name, m in lean.named_modules():
+        if isinstance(m, Linear) and name != "output":
+            torch.testing.assert_close(m.weight_rows(), plain[name].weight, rtol=0, atol=0)
+            rows = ids % m.weight.shape[0]
+            torch.testing.assert_close(m.weight_rows(rows), plain[name].weight[rows], rtol=0, atol=0)
     for rows in (1, 5, 80):  # a decode, a verify, a prefill past every kernel's row limit
         ids = torch.randint(0, 96, (1, rows), generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(lean(ids, lean.new_cache(), torch.arange(rows)[None]).logits,

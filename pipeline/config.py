@@ -148,6 +148,9 @@ class CalibrateCfg(Section):
     kv_max_slowdown: float = Field(0.05, ge=0)
     prompts: int = Field(4, ge=1)  # calibration prompts from the validation split
     tokens: int = Field(256, ge=8)  # tokens per calibration row
+    # held-out prompts the draft budget's finalists are timed on (successive halving), after validate's own where
+    # the split has more; on a large target each is a generation per budget, most of calibrate's time
+    budget_prompts: int = Field(12, ge=1)
     # > 0: KV schemes and the SpecAttn top-p are measured at this many tokens of context (held-out conversations
     # joined), where they pay off; 0: on the calibration rows above
     context: int = Field(0, ge=0)

@@ -51,7 +51,6 @@ class CalibrateContext(Protocol):
 class CalibrateSettings:
     tau_prompts: int = 4
     tau_new_tokens: int = 32
-    budget_prompts: int = 12  # the draft budget finalists run (successive halving); not validate's where val allows
     budget_new_tokens: int = 0  # 0: validate's max_new_tokens (the lookup branch gains as a reply grows)
     # the chosen budget's tau should clear validate.gate.min_tau by this fraction on these few prompts, so that it
     # clears it on validate's prompts too
@@ -95,11 +94,10 @@ def long_prompts(ts: Any, prompts: list[list[int]], context: int) -> list[list[i
     return out
 
 
-def budget_prompts(num_validate: int, ctx: CalibrateContext, s: CalibrateSettings) -> list[list[int]]:
-    """Validation prompts after the ones validate times (its first `num_validate`), so the budget is not chosen on
-    the prompts it is then judged on; the first ones when the split has no others."""
-    return ctx.validation_prompts(num_validate + s.budget_prompts)[num_validate:] or ctx.validation_prompts(
-        s.budget_prompts)
+def budget_prompts(num_validate: int, ctx: CalibrateContext, n: int) -> list[list[int]]:
+    """`n` validation prompts after the ones validate times (its first `num_validate`), so the budget is not chosen
+    on the prompts it is then judged on; the first ones when the split has no others."""
+    return ctx.validation_prompts(num_validate + n)[num_validate:] or ctx.validation_prompts(n)
 
 
 def weight_quant(out: Path, target: Transformer, config: dict, tensors: dict, probe: TauProbe,
@@ -185,7 +183,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     if corpus_file is not None:  # the corpus export will ship, so the budget is timed drafting from it
         engine_fields["lookup_corpus"] = load_corpus(corpus_file, configured.lookup)
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
-        ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, ctx, s),
+        ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, ctx, c.budget_prompts),
         configured.tree, s.budget_new_tokens or v.max_new_tokens, engine_fields, ctx.stop_ids(),
         min_tau=v.gate.min_tau, min_speedup=v.gate.min_speedup, tau_margin=s.budget_tau_margin,
         lookups=tuple(sorted({0, configured.lookup})), margin=s.budget_prediction_margin)

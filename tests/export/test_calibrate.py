@@ -39,7 +39,8 @@ from train.trainer import train
 
 N_LAYERS, INTERMEDIATE = 4, 128  # every matrix dim a multiple of 64: int4-g32 fits, int4-g128 does not
 TOP_P = [0.5, 0.9, 0.99]
-FAST = CalibrateSettings(tau_prompts=3, tau_new_tokens=24, budget_prompts=2)
+FAST = CalibrateSettings(tau_prompts=3, tau_new_tokens=24)
+BUDGET_PROMPTS = 2  # calibrate.budget_prompts
 SCHEMES = ["int8", "int4-g128", "int4-g32"]
 REPLY = 16  # validate.max_new_tokens: the reply length budgets are timed at (FAST.budget_new_tokens 0)
 
@@ -91,6 +92,7 @@ def make_run(tmp_path, target_dir, distilled, kind="eagle", tolerance=0.02, outl
     cfg = Config.model_validate({"run": {"dir": str(tmp_path)},
                                  "drafter": {"kind": kind, "draft_vocab": 64, "depth": 4, "width": 2, "nodes": 8},
                                  "calibrate": {"tau_tolerance": tolerance, "prompts": 3, "top_p": TOP_P,
+                                               "budget_prompts": BUDGET_PROMPTS,
                                                "context": context,
                                                "weight_schemes": SCHEMES,
                                                "kv_recent": 8},  # 40-token rows: a history to quantise
@@ -214,7 +216,7 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     gate = ctx.cfg.validate.gate
     assert (budget["min_tau"], budget["min_speedup"], budget["tau_margin"]) == (
         gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
-    assert {r["prompts"] for r in budget["sweep"]} == {budget["prompts"]} == {FAST.budget_prompts}  # one round
+    assert {r["prompts"] for r in budget["sweep"]} == {budget["prompts"]} == {BUDGET_PROMPTS}  # one round
     assert budget["new_tokens"] == REPLY
     fastest = choose_budget(budget["sweep"], gate.min_tau, gate.min_speedup, FAST.budget_tau_margin)
     assert budget["chosen"] == {k: fastest[k] for k in ("depth", "width", "nodes", "adaptive", "lookup", "max_tree")}
@@ -222,10 +224,10 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
     assert (ctx.out / "draft_budget.png").stat().st_size > 1000 and "draft_budget" in result.outputs
     # for a serving GPU to time: the chosen budget, then the device ladder's trees within 4x2/8, tau on every prompt
     device = budget["device_candidates"]
-    assert device[0] == budget["chosen"] | {"tau": fastest["tau"], "prompts": FAST.budget_prompts}
+    assert device[0] == budget["chosen"] | {"tau": fastest["tau"], "prompts": BUDGET_PROMPTS}
     ladder = {"depth": 4, "width": 2, "nodes": 8, "adaptive": False, "lookup": lookup, "max_tree": 15}
     assert [{k: r[k] for k in ladder} for r in device[1:]] == ([ladder] if ladder != budget["chosen"] else [])
-    assert all(r["tau"] >= 1.0 and r["prompts"] == FAST.budget_prompts for r in device)
+    assert all(r["tau"] >= 1.0 and r["prompts"] == BUDGET_PROMPTS for r in device)
 
 
 

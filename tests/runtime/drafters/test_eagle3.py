@@ -246,7 +246,7 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
         "drafter": {"kind": "eagle3", "draft_vocab": 64, "depth": 3, "width": 2, "nodes": 6, "lookup": 4},
         "distill": {"steps": 6, "batch_size": 4, "lr": 3e-3, "warmup": 1},
         "calibrate": {"weight_schemes": ["int8"], "kv_schemes": ["int8"], "prompts": 2, "tokens": 32,
-                      "top_p": [0.9]},
+                      "top_p": [0.9], "budget_prompts": 2},
         "validate": {"num_prompts": 2, "max_new_tokens": 10, "gate": {"min_tau": 1.0, "min_speedup": 0.0}}})
     store = RunStore(tmp_path / "runs", "r1")
     target = from_pretrained(target_dir, max_seq_len=256)
@@ -268,7 +268,7 @@ def test_eagle3_runs_every_stage_from_distill_to_validate(target_dir, rows, tmp_
     distilled = run_stage_on(store, "distill", cfg, target_dir, run_distill)
     assert distilled["metrics"]["offline_features"] == 1 and distilled["message"].startswith("eagle3: tau")
     calibrated = run_stage_on(store, "calibrate", cfg, target_dir,
-                              lambda ctx: run_calibrate(ctx, CalibrateSettings(tau_prompts=2, budget_prompts=2)))
+                              lambda ctx: run_calibrate(ctx, CalibrateSettings(tau_prompts=2)))
     assert {"quant", "kv_quant", "draft_budget", "specattn"} <= set(calibrated["outputs"])
     exported = run_stage_on(store, "export", cfg, target_dir, run_export)
     engines = exported["outputs"]["engine_formats"]

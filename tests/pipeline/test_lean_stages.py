@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load as load_tensors
 
 import runtime.target.loading as loading
 from pipeline.config import Config
@@ -13,6 +14,7 @@ from pipeline.stages.context import StageContext
 from pipeline.stages.prepare import run_prepare
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
+from runtime.target import cpu_packing
 from runtime.target.cpu_packing import Packable
 from runtime.target.loading import from_pretrained
 from support.helpers import run_stage_on
@@ -105,7 +107,13 @@ def test_prepare_regenerates_and_caches_the_same_rows_lean_as_plain(tmp_path, ti
             + [f.read_bytes() for f in sorted((out / FEATURES_DIR).iterdir())]
     assert loads == [True, True]  # the stage asked for lean; the second run was made plain here
     assert len(rows[False]) == 4 and all(torch.equal(a, b) for a, b in zip(rows[False][:2], rows[True][:2]))
-    assert rows[False][2:] == rows[True][2:]  # the cached features, byte for byte
+    # the cached features: byte for byte where lean and plain run one kernel (ours, on AMD CPUs); on Intel CPUs a
+    # product of fewer than 4 rows runs MKL's on a plain weight and oneDNN's on a lean one, rounding apart
+    for a, b in zip(rows[False][2:], rows[True][2:]):
+        if cpu_packing.OWN_FP32_KERNEL:
+            assert a == b
+        else:
+            torch.testing.assert_close(load_tensors(a)["features"], load_tensors(b)["features"], rtol=0, atol=2e-3)
 
 
 @pytest.mark.slow

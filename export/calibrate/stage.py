@@ -24,7 +24,6 @@ from runtime.host_memory import release_freed_memory
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import ModelConfig, Transformer
-from runtime.target.precision import float_dtype
 
 NOT_APPLICABLE = "not applicable"
 
@@ -124,26 +123,22 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
                           f"{kind.name} drafter has no weights: quantisation and layer map not applicable")
     c, v = ctx.cfg.calibrate, ctx.cfg.validate
     configured, corpus_file = ctx.configured_budget(), ctx.lookup_corpus_file()
-    with tqdm(total=4, desc="calibrate: load", unit="step") as bar:
-        bar.set_postfix_str("target")
+    with tqdm(total=3, desc="calibrate: load", unit="step") as bar:
+        # in validate's precision, as serving runs: bf16 verifies a tree at relatively less cost than fp32 where it
+        # is fast, which moves the fastest budget. One target measures and times, since two (fp32 beside bf16) held
+        # the 1.5B twice
+        bar.set_postfix_str(f"target ({v.precision})")
         # drafting after calibrate.context tokens: the whole tree past the last new token
         positions = c.context + s.tau_new_tokens + configured.tree.max_nodes + configured.lookup + 1 if c.context else 0
         limit = ModelConfig.from_dir(ctx.target_dir).max_position_embeddings
         if positions > limit:
             raise ValueError(f"calibrate.context={c.context}: drafting {s.tau_new_tokens} tokens after it needs "
                              f"{positions} positions, more than the target's context of {limit}")
-        target = ctx.load_target(min_seq_len=positions)  # once: a second copy's freed pages stay resident
-        bar.update()
-        # KV decode steps and draft budgets are timed in the precision validate and serving run: bf16 verifies a
-        # tree at relatively less cost than fp32 where it is fast, which moves the fastest budget
-        bar.set_postfix_str(f"target in validate's precision ({v.precision})")
-        timed = target if float_dtype(v.precision, target.device) == target.dtype else ctx.load_target(
-            max_seq_len=target.max_seq_len, precision=v.precision)
+        target = ctx.load_target(min_seq_len=positions, precision=v.precision)  # once: a freed copy stays resident
         bar.update()
         bar.set_postfix_str("drafter")
         tensors = load_file(str(distill / "drafter.safetensors")) if kind.weighted else {}
         model = drafter_module(config, target, tensors) if kind.weighted else None
-        timed_model = model if timed is target or model is None else drafter_module(config, timed, tensors)
         bar.update()
         bar.set_postfix_str("validation rows")
         val = ctx.validation_set()
@@ -172,7 +167,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
         ctx.out, target, drafter_on(target, model), long_ids or rows, schemes=c.kv_schemes, recent=c.kv_recent,
         tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=long_probe, dense_tau=dense_tau,
-        timed=timed, decode_context=c.context or min(c.tokens, timed.max_seq_len - 1),  # rows may be shorter
+        timed=target, decode_context=c.context or min(c.tokens, target.max_seq_len - 1),  # rows may be shorter
         max_slowdown=c.kv_max_slowdown)
     outputs |= kv_outputs
     metrics |= kv_metrics
@@ -183,7 +178,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     if corpus_file is not None:  # the corpus export will ship, so the budget is timed drafting from it
         engine_fields["lookup_corpus"] = load_corpus(corpus_file, configured.lookup)
     budget_outputs, budget_metrics, budget_message = calibrate_budget(
-        ctx.out, timed, lambda: drafter_on(timed, timed_model), budget_prompts(v.num_prompts, ctx, c.budget_prompts),
+        ctx.out, target, lambda: drafter_on(target, model), budget_prompts(v.num_prompts, ctx, c.budget_prompts),
         configured.tree, s.budget_new_tokens or v.max_new_tokens, engine_fields, ctx.stop_ids(),
         min_tau=v.gate.min_tau, min_speedup=v.gate.min_speedup, tau_margin=s.budget_tau_margin,
         lookups=tuple(sorted({0, configured.lookup})), margin=s.budget_prediction_margin)

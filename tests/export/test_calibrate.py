@@ -269,7 +269,7 @@ def test_a_calibrate_context_measures_the_kv_schemes_and_specattn_at_that_contex
     assert sparsity["tokens"] == 3 * 120 and sparsity["layer_map_tokens"] == 3 * 40  # the layer map: short rows
     # both dense taus are the drafter's at 120 tokens of context, measured here again
     data = distilled[0]
-    target = ctx.load_target()
+    target = ctx.load_target(precision=ctx.cfg.validate.precision)  # calibrate measures as validate runs
     config = json.loads((ctx.input("distill") / "drafter_config.json").read_text())
     tensors = load_file(str(ctx.input("distill") / "drafter.safetensors"))
     drafter = served_drafter(config, drafter_module(config, target, tensors), target, tensors)

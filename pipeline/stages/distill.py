@@ -51,14 +51,16 @@ def build(ctx: StageContext, target, keep_ids):
 
 
 def distill_target(ctx: StageContext):
-    """The target as distill holds it: fp32 whatever distill.precision says (the drafter starts as part of the target
-    and trains in its dtype, under bf16 autocast where distill.precision asks), lean but for the blocks the recipe's
-    initialisation copies."""
+    """The target as distill holds it: fp32 where the drafter starts as part of the target and trains in its dtype
+    (under bf16 autocast where distill.precision asks), else in distill.precision (a base LM only learns from it);
+    lean but for the blocks the recipe's initialisation copies."""
     from runtime.target.model import ModelConfig
     from train.recipes import get_recipe
 
+    d, recipe = ctx.cfg.drafter, get_recipe(ctx.cfg.drafter.kind)
     n_layers = ModelConfig.from_dir(ctx.target_dir).n_layers
-    return ctx.load_target(plain_blocks=get_recipe(ctx.cfg.drafter.kind).target_blocks(ctx.cfg.drafter, n_layers))
+    return ctx.load_target(precision="fp32" if recipe.copies_target(d) else ctx.cfg.distill.precision,
+                           plain_blocks=recipe.target_blocks(d, n_layers))
 
 
 def run_distill(ctx: StageContext) -> StageResult:

@@ -27,6 +27,11 @@ class Recipe:
         """The target's blocks whose plain weights `build` copies (distill loads the others lean: packed only)."""
         return ()
 
+    def copies_target(self, drafter: Any) -> bool:
+        """Whether `build` starts the drafter from the target's weights, so that it trains in the target's dtype
+        (distill then holds the target in fp32)."""
+        return True
+
     def loss(self, target: Transformer, drafter: Any, distill: Any, keep_ids: Tensor | None) -> LossFn:
         raise NotImplementedError
 

@@ -46,7 +46,7 @@ def build_lm_lora(target: Transformer, base: str | Path, rank: int) -> nn.Module
     lm_head; only the adapters train. merge_lora() folds them back into a plain Transformer."""
     from peft import LoraConfig, get_peft_model
 
-    model = from_pretrained(base, dtype=target.dtype, max_seq_len=target.max_seq_len)
+    model = from_pretrained(base, dtype=torch.float32, max_seq_len=target.max_seq_len)  # trains in fp32
     if model.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"drafter.lm_base={str(base)!r} has vocab_size {model.config.vocab_size}, the target "
                          f"{target.config.vocab_size}: the drafter must share the target's tokenizer")
@@ -96,6 +96,9 @@ class LMRecipe(Recipe):
         # build_lm's init "target" copies the first lm_layers blocks; a LoRA base or a random init reads none
         return tuple(range(min(drafter.lm_layers, n_layers))) if drafter.lm_init == "target" and not drafter.lm_base \
             else ()
+
+    def copies_target(self, drafter):
+        return not drafter.lm_base  # a base LM brings its own weights: the target only teaches
 
     def loss(self, target, drafter, distill, keep_ids):
         return lm_kd_loss(target, distill.kd_loss, keep_ids)

@@ -297,6 +297,24 @@ def test_an_lm_base_distilled_for_no_steps_ships_as_it_is(tmp_path, target_dir, 
     assert shipped.keys() == base.keys() and all(torch.equal(shipped[k], base[k]) for k in base)
 
 
+def test_distill_holds_the_target_in_fp32_only_where_the_drafter_starts_from_its_weights(tmp_path, target_dir,
+                                                                                        tiny_model_dir):
+    """A base LM only learns from the target, which distill then holds in distill.precision (half the bytes in
+    bf16); a drafter built from the target's own layers trains in the target's dtype, so fp32."""
+    from pipeline.stages.distill import distill_target
+
+    base = str(tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1))
+    for lm_base, dtype in ((None, torch.float32), (base, torch.bfloat16)):
+        cfg = _lm_config().model_copy(update={
+            "drafter": _lm_config().drafter.model_copy(update={"lm_base": lm_base}),
+            "distill": _lm_config().distill.model_copy(update={"precision": "bf16"})})
+        ctx = StageContext(cfg, RunStore(tmp_path / "runs", "r1"), tmp_path)
+        ctx.__dict__["target_dir"] = target_dir  # cached_property: no hub lookup for the tiny target
+        assert distill_target(ctx).dtype == dtype
+    model = lm_recipe.build_lm_lora(distill_target(ctx), base, rank=4)  # the base trains in fp32 all the same
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_a_bundle_with_sparse_verification_is_served_sparse_and_reported_lossy_by_design(tmp_path, target_dir,
                                                                                          self_distilled):
     """Calibrate chose SpecAttn top-p 0.5: validate runs the speculative engine sparse and the AR baseline dense,

@@ -75,18 +75,18 @@ def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance
 
 def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[torch.Tensor], *, schemes: list[str],
                  recent: int, tau_tolerance: float, ppl_tolerance: float, probe: TauProbe,
-                 dense_tau: float, timed: Transformer, decode_context: int,
+                 dense_tau: float, decode_context: int,
                  max_slowdown: float) -> tuple[dict[str, str], dict[str, float], str]:
     """Writes kv_quant.json (every candidate's measurements and the choice; export ships it in the bundle, whose
     Bundle.kv_settings() the runtime's engines apply) to `out`. `dense_tau`: measured by the same probe with a
-    full-precision cache (calibrate's fp32 drafter tau). `timed`: the target in the precision validate and
-    serving run, whose decode step is timed after `decode_context` tokens."""
+    full-precision cache (calibrate's unquantised drafter tau). The target is in the precision validate and
+    serving run; its decode step is timed after `decode_context` tokens."""
     bar = tqdm(total=2 + 2 * len(schemes), desc="calibrate: KV schemes", unit="step")
     bar.set_postfix_str("full-precision perplexity")
     dense_ppl = perplexity([quantized_nll(target, r, None) for r in rows])
     bar.update()
     bar.set_postfix_str("decode steps")
-    times = decode_ms(timed, {NO_KV_QUANT: None, **{s: KVQuant(s, recent) for s in schemes}}, decode_context)
+    times = decode_ms(target, {NO_KV_QUANT: None, **{s: KVQuant(s, recent) for s in schemes}}, decode_context)
     bar.update()
     head_dim, candidates = target.config.head_dim, []
     for scheme in schemes:
@@ -105,7 +105,7 @@ def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[to
     chosen = choose_kv_scheme(candidates, tau_tolerance, ppl_tolerance, max_slowdown)
     report = {"chosen": chosen, "recent": recent, "dense_perplexity": dense_ppl, "dense_tau": dense_tau,
               "full_precision_bits": 8 * target.dtype.itemsize, "tau_tolerance": tau_tolerance,
-              "ppl_tolerance": ppl_tolerance, "rows": len(rows), "decode_dtype": str(timed.dtype).removeprefix("torch."),
+              "ppl_tolerance": ppl_tolerance, "rows": len(rows), "decode_dtype": str(target.dtype).removeprefix("torch."),
               "decode_context": decode_context, "full_precision_decode_ms": times[NO_KV_QUANT],
               "max_slowdown": max_slowdown, "candidates": candidates}
     (out / KV_QUANT).write_text(json.dumps(report, indent=2) + "\n")

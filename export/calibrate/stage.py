@@ -167,7 +167,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     kv_outputs, kv_metrics, kv_message = calibrate_kv(
         ctx.out, target, drafter_on(target, model), long_ids or rows, schemes=c.kv_schemes, recent=c.kv_recent,
         tau_tolerance=c.tau_tolerance, ppl_tolerance=c.ppl_tolerance, probe=long_probe, dense_tau=dense_tau,
-        timed=target, decode_context=c.context or min(c.tokens, target.max_seq_len - 1),  # rows may be shorter
+        decode_context=c.context or min(c.tokens, target.max_seq_len - 1),  # rows may be shorter
         max_slowdown=c.kv_max_slowdown)
     outputs |= kv_outputs
     metrics |= kv_metrics

@@ -89,10 +89,15 @@ class Packable:
         those (an exact copy)."""
         if not self.weight.is_meta:
             return self.weight.detach() if ids is None else self.weight.detach()[ids]
-        if self.panels is None:  # oneDNN's blocked layout is opaque: read it back through products
+        if self.onednn_only:  # oneDNN's blocked layout is opaque: read it back through products
             weight = self.onednn_weight()
             return weight if ids is None else weight[ids]
         return cpu_gemm.unpack(self.panels, self.weight.shape[0], ids)
+
+    @property
+    def onednn_only(self) -> bool:
+        """Whether the one copy kept is oneDNN's packed weight, which gives no rows apart."""
+        return self.weight.is_meta and self.panels is None
 
     def onednn_weight(self, cols: int = 512) -> Tensor:
         """The whole weight [N, K] of a layer packed for oneDNN alone: the identity's rows times it are the

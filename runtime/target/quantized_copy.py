@@ -35,7 +35,7 @@ def weight_slices(layer: Packable):
     """The layer's weight [N, K] in slices of ROWS_AT_ONCE rows, each read on its own (a layer packed for oneDNN
     alone is read back whole, once: its layout gives no rows apart)."""
     n = layer.weight.shape[0]
-    whole = layer.weight_rows() if layer.weight.is_meta and layer.panels is None else None
+    whole = layer.weight_rows() if layer.onednn_only else None
     for i in range(0, n, ROWS_AT_ONCE):
         yield layer.weight_rows(torch.arange(i, min(i + ROWS_AT_ONCE, n))) if whole is None else \
             whole[i:i + ROWS_AT_ONCE]

@@ -106,7 +106,7 @@ def engine_exports(ctx: StageContext, bundle_dir: Path, fingerprint: str) -> dic
     from runtime.target.loading import from_pretrained
 
     bundle = read_bundle(bundle_dir, fingerprint)
-    if not get_kind(bundle.kind).weighted:
+    if not get_kind(bundle.kind).engine_formats:  # nothing to write: the target need not be loaded
         return {}
     target = from_pretrained(ctx.target_dir, max_seq_len=64, lean=True)  # as in onnx_checked
     config, tensors = bundle_weights(bundle, target.dtype)  # a quantised bundle's weights as the reader restores them

@@ -73,6 +73,7 @@ class EagleKind(EagleFamily):
     name = "eagle"
     module_type = EagleModel
     onnx_inputs, onnx_outputs = ("input_ids", "features"), ("next_features", "logits")
+    engine_formats = ("sglang-eagle", "speculators-eagle")
 
     def config(self, module, draft_vocab, settings):
         return EagleConfig(draft_vocab).to_dict()
@@ -88,7 +89,7 @@ class EagleKind(EagleFamily):
                                                "its block applies input_layernorm to the fused input, which the "
                                                "engines skip for layer 0 (EAGLE's reference layout)")
         if problem:
-            return dict.fromkeys(("sglang-eagle", "speculators-eagle"), problem)
+            return dict.fromkeys(self.engine_formats, problem)
         layer = hf_layer_tensors(module.block.state_dict(), cfg)
         fc = {k: v.detach().clone() for k, v in module.fc.state_dict().items()}
         names = llama_layer_names(cfg, input_norm=False)

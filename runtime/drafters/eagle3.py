@@ -126,6 +126,7 @@ class Eagle3Kind(EagleFamily):
     name = "eagle3"
     module_type = Eagle3Model
     onnx_inputs, onnx_outputs = ("input_ids", "features"), ("next_hidden", "logits")
+    engine_formats = ("speculators-eagle3", "sglang-eagle3")
 
     def streams(self, settings, n_layers):
         return aux_layers(settings.aux_layers, n_layers)
@@ -147,7 +148,7 @@ class Eagle3Kind(EagleFamily):
         cfg = module.cfg
         problem = llama_layer_problem(cfg)
         if problem:
-            return dict.fromkeys(("speculators-eagle3", "sglang-eagle3"), problem)
+            return dict.fromkeys(self.engine_formats, problem)
         layer = hf_layer_tensors(module.block.state_dict(), cfg) | {"hidden_norm.weight": module.hidden_norm.weight}
         names = llama_layer_names(cfg) + ("hidden_norm.weight",)
         vocab = _vocab_maps(module.head)

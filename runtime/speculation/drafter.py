@@ -117,6 +117,7 @@ class DrafterKind:
     module_type: ClassVar[type | None] = None  # the class of its trained module; None: weightless
     onnx_inputs: ClassVar[tuple[str, ...]] = ()  # its ONNX step's input and output names; (): no ONNX step
     onnx_outputs: ClassVar[tuple[str, ...]] = ()
+    engine_formats: ClassVar[tuple[str, ...]] = ()  # the serving-engine layouts engine_exports answers for
 
     def unsupported(self, what: str) -> ValueError:
         return ValueError(f"a {self.name} drafter has no {what}")
@@ -168,8 +169,8 @@ class DrafterKind:
 
     def engine_exports(self, module: nn.Module, verifier: dict,
                        speculative_tokens: int = 5) -> dict[str, EngineExport | str]:
-        """The serving-engine layouts of this kind, by format name: this drafter in it, or why it cannot express
-        it. `verifier`: the target's name_or_path and architectures; `speculative_tokens`: the draft length the
+        """The serving-engine layouts of this kind (engine_formats), by format name: this drafter in it, or why it
+        cannot express it. `verifier`: the target's name_or_path and architectures; `speculative_tokens`: the draft length the
         engine is told to propose."""
         return {}
 

@@ -100,6 +100,12 @@ def sglang_names(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int
             "d2t": (draft_vocab,), "t2d": (vocab,), **{f"midlayer.{k}": v for k, v in layer.items()}}
 
 
+def test_the_kind_lists_every_layout_it_answers_for(target):
+    # export loads the target only for a kind with engine_formats: a layout missing from them would go unwritten
+    verifier = {"name_or_path": "t", "architectures": []}
+    assert set(KIND.engine_exports(trained_like(target, None), verifier)) == set(KIND.engine_formats)
+
+
 def test_sglang_layout_has_every_name_and_shape_its_loader_maps(target, tmp_path):
     model = trained_like(target, torch.arange(DRAFT_VOCAB))
     record = exported(model, "sglang-eagle3", tmp_path / "sglang", {"name_or_path": "t", "architectures": []})

@@ -91,6 +91,11 @@ def test_speculators_forward_reproduces_the_runtime(target, tmp_path, biased):
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
+def test_the_kind_lists_every_layout_it_answers_for(target):
+    # export loads the target only for a kind with engine_formats: a layout missing from them would go unwritten
+    assert set(KIND.engine_exports(reference_layout(build_eagle(target, None)), VERIFIER)) == set(KIND.engine_formats)
+
+
 def test_speculators_config_and_tensor_names(target, tmp_path):
     model = reference_layout(build_eagle(target, None))
     verifier = {"name_or_path": "HuggingFaceTB/SmolLM2-135M", "architectures": ["LlamaForCausalLM"]}

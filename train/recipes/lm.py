@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from runtime.drafters.shared.draft_head import DraftHead
 from runtime.target.cpu_packing import Linear
@@ -15,7 +16,7 @@ from runtime.target.loading import from_pretrained
 from runtime.target.model import Transformer
 from train.losses import KD_DISTANCES
 from train.recipes import LossFn, Recipe
-from train.target_outputs import target_features, top1
+from train.target_outputs import target_features
 
 
 def build_lm(target: Transformer, layers: int, init: str) -> Transformer:
@@ -65,22 +66,42 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model.merge_and_unload() if isinstance(model, PeftModel) else model
 
 
-def lm_kd_loss(target: Transformer, kind: str, keep_ids: Tensor | None = None) -> LossFn:
+KD_CHUNK_ROWS = 64  # positions whose [rows, vocab] float32 intermediates live at once: 39 MB each at Qwen's 151,936
+
+
+def lm_kd_loss(target: Transformer, kind: str, keep_ids: Tensor | None = None,
+               chunk_rows: int = KD_CHUNK_ROWS) -> LossFn:
     """Knowledge distillation of an LM drafter: `kind` (forward_kl | tv) between the target's and the drafter's
     next-token distributions at every position whose next token is an assistant token. With `keep_ids` both are
-    over the reduced draft vocabulary, the one the drafter proposes from."""
+    over the reduced draft vocabulary, the one the drafter proposes from. Both heads run `chunk_rows` positions at
+    a time, recomputed in backward (checkpoint): over a full vocabulary the whole batch's logits, softmaxes and
+    their gradients held at once were gigabytes."""
     if kind not in KD_DISTANCES:
         raise ValueError(f"distill.kd_loss={kind!r}: expected one of {sorted(KD_DISTANCES)}")
     distance, target_head = KD_DISTANCES[kind], DraftHead(target.output, keep_ids)
 
+    def chunk_loss(hidden: Tensor, features: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """The distance summed over these rows, and how many rows' argmaxes agree."""
+        with torch.no_grad():
+            goal = target_head(features)
+        logits = F.linear(hidden, weight)
+        everywhere = torch.ones(len(hidden), dtype=torch.bool, device=hidden.device)
+        return distance(goal, logits, everywhere) * len(hidden), (logits.argmax(-1) == goal.argmax(-1)).sum()
+
     def loss_fn(model: Transformer, batch: dict) -> tuple[Tensor, dict]:
         t = target_features(target, batch)
-        goal = target_head(t.features[:, :-1])  # row j: the distribution of token j+1
-        hidden = model.forward_uncached(batch["input_ids"], no_logits=True).hidden[:, :-1]
+        m = t.mask[:, 1:]  # row j predicts token j+1
+        hidden = model.forward_uncached(batch["input_ids"], no_logits=True).hidden[:, :-1][m]
+        features = t.features[:, :-1][m]
         weight = model.output.weight
-        logits = F.linear(hidden, weight if target_head.keep_ids is None else weight[target_head.keep_ids])
-        m = t.mask[:, 1:]
-        return distance(goal, logits, m), {"top1": top1(logits, goal, m)}
+        weight = weight if target_head.keep_ids is None else weight[target_head.keep_ids]
+        total, hits = hidden.new_zeros((), dtype=torch.float32), 0
+        for start in range(0, len(hidden), chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            loss, agree = checkpoint(chunk_loss, hidden[rows], features[rows], weight, use_reentrant=False)
+            total, hits = total + loss, hits + int(agree)
+        n = max(len(hidden), 1)  # 0 when no position is masked in
+        return total / n, {"top1": hits / n}
 
     return loss_fn
 

@@ -99,6 +99,29 @@ def test_kd_loss_compares_next_token_distributions_on_assistant_tokens(target, k
     assert loss_fn(copy, {**batch, "features": torch.zeros_like(cached)})[0].item() > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["forward_kl", "tv"])
+def test_kd_loss_in_chunks_equals_it_whole(target, kind):
+    """The loss runs a few positions at a time to bound its [rows, vocab] intermediates: its value, top-1 and
+    gradient equal the whole batch's at once, with chunks that do not divide the masked positions evenly."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    mask[0, 4:], mask[1, 6:10] = 1, 1  # 8 + 4 assistant tokens: 12 masked rows
+    batch = {"input_ids": ids, "loss_mask": mask}
+    drafter = perturbed(lm_recipe.build_lm(target, 1, "target"), scale=0.2)
+
+    def loss_and_grads(chunk_rows):
+        drafter.zero_grad()
+        loss, metrics = lm_recipe.lm_kd_loss(target, kind, chunk_rows=chunk_rows)(drafter, batch)
+        loss.backward()
+        return loss.item(), metrics["top1"], [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    whole, chunked = loss_and_grads(1000), loss_and_grads(5)
+    assert whole[0] > 1e-3 and chunked[0] == pytest.approx(whole[0], rel=1e-5) and chunked[1] == whole[1]
+    assert len(chunked[2]) == len(whole[2]) > 0
+    for a, b in zip(chunked[2], whole[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind,init", [("forward_kl", "random"), ("tv", "target")])
 def test_lm_learns_and_stays_lossless(target, self_distilled, tmp_path, kind, init):
     keep = torch.arange(0, VOCAB)

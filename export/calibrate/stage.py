@@ -138,7 +138,6 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         bar.update()
         bar.set_postfix_str("drafter")
         tensors = load_file(str(distill / "drafter.safetensors")) if kind.weighted else {}
-        model = drafter_module(config, target, tensors) if kind.weighted else None
         bar.update()
         bar.set_postfix_str("validation rows")
         val = ctx.validation_set()
@@ -154,6 +153,8 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
 
     outputs, metrics, message = (weight_quant(ctx.out, target, config, tensors, probe, c) if kind.weighted else
                                  ({"quant": "quant.json"}, {}, f"{kind.name} drafter has no weights to quantise; "))
+    # built after the schemes are measured, which build their own: in bf16 it is a copy beside the fp32 tensors
+    model = drafter_module(config, target, tensors) if kind.weighted else None
 
     rows = calibration_rows(val, c.prompts, c.tokens)
     # KV schemes and SpecAttn pay off as the context grows: calibrate.context measures them there. Both compare

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from runtime.drafters import drafter_module, served_drafter
+from runtime.drafters import DRAFT_VOCAB, drafter_module, served_drafter
 from runtime.host_memory import release_freed_memory
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import Transformer
@@ -31,14 +31,16 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, tensors: dict[
     """Measure tau for fp32 and each scheme, write quant.json (+ quant.safetensors unless fp32 wins) to `out`."""
 
     def tau_of(weights: dict[str, torch.Tensor]) -> float:
-        return probe.measure(target, served_drafter(config, drafter_module(config, target, weights), target,
-                                                    weights))["tau"]
+        drafter = served_drafter(config, drafter_module(config, target, weights), target,
+                                 {k: v for k, v in weights.items() if k == DRAFT_VOCAB})
+        weights.clear()  # a restored copy: the drafter packed its own from it, and a 0.5B sibling's is 2.5 GB
+        return probe.measure(target, drafter)["tau"]
 
     candidates, packed = [], {}
     bar = tqdm(["fp32", *schemes], desc="calibrate: drafter weight schemes", unit="scheme")
     for name in bar:
         if name == "fp32":
-            fp32_tau = tau_of(tensors)
+            fp32_tau = tau_of(dict(tensors))
             continue
         scheme = QuantScheme.parse(name)
         try:
@@ -47,10 +49,11 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, tensors: dict[
             candidates.append({"scheme": name, "skipped": str(e)})
             continue
         restored = dequantize_state_dict(packed[name], scheme, dtype=target.dtype)
+        rel_error = max(relative_errors(tensors, restored).values(), default=0.0)
         tau = tau_of(restored)
         candidates.append({"scheme": name, "tau": tau, "tau_drop": (fp32_tau - tau) / fp32_tau,
-                           "rel_error": max(relative_errors(tensors, restored).values(), default=0.0),
-                           "bytes": stored_bytes(packed[name])})
+                           "rel_error": rel_error, "bytes": stored_bytes(packed[name])})
+        release_freed_memory()
     chosen = choose_scheme(candidates, tolerance)
     report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": stored_bytes(tensors),
               "tau_tolerance": tolerance, "tau_prompts": len(probe.prompts), "candidates": candidates,

@@ -52,15 +52,19 @@ def build(ctx: StageContext, target, keep_ids):
 
 def distill_target(ctx: StageContext):
     """The target as distill holds it: fp32 where the drafter starts as part of the target and trains in its dtype
-    (under bf16 autocast where distill.precision asks), else in distill.precision (a base LM only learns from it);
-    lean but for the blocks the recipe's initialisation copies."""
+    (under bf16 autocast where distill.precision asks), else in bf16 where training runs in bf16 (a base LM only
+    learns from it, and an AVX512_BF16 CPU trains in bf16 though it infers in fp32); lean but for the blocks the
+    recipe's initialisation copies."""
+    import torch
+
     from runtime.target.model import ModelConfig
+    from runtime.target.precision import use_bf16
     from train.recipes import get_recipe
 
     d, recipe = ctx.cfg.drafter, get_recipe(ctx.cfg.drafter.kind)
     n_layers = ModelConfig.from_dir(ctx.target_dir).n_layers
-    return ctx.load_target(precision="fp32" if recipe.copies_target(d) else ctx.cfg.distill.precision,
-                           plain_blocks=recipe.target_blocks(d, n_layers))
+    teaches = not recipe.copies_target(d) and use_bf16(ctx.cfg.distill.precision, torch.device("cpu"), training=True)
+    return ctx.load_target(precision="bf16" if teaches else "fp32", plain_blocks=recipe.target_blocks(d, n_layers))
 
 
 def run_distill(ctx: StageContext) -> StageResult:

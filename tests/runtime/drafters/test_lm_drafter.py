@@ -321,16 +321,20 @@ def test_an_lm_base_distilled_for_no_steps_ships_as_it_is(tmp_path, target_dir, 
 
 
 def test_distill_holds_the_target_in_fp32_only_where_the_drafter_starts_from_its_weights(tmp_path, target_dir,
-                                                                                        tiny_model_dir):
-    """A base LM only learns from the target, which distill then holds in distill.precision (half the bytes in
-    bf16); a drafter built from the target's own layers trains in the target's dtype, so fp32."""
+                                                                                        tiny_model_dir, monkeypatch):
+    """A base LM only learns from the target, which distill then holds in the precision training runs in (half the
+    bytes in bf16); a drafter built from the target's own layers trains in the target's dtype, so fp32. `auto`
+    follows the training rule: a CPU with AVX512_BF16 but no AMX trains in bf16 though it infers in fp32."""
+    import runtime.target.precision as precision
     from pipeline.stages.distill import distill_target
 
+    monkeypatch.setattr(precision, "bf16_is_fast", lambda device, training=False: training)  # that CPU's flags
     base = str(tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1))
-    for lm_base, dtype in ((None, torch.float32), (base, torch.bfloat16)):
+    for lm_base, chosen, dtype in ((None, "bf16", torch.float32), (base, "bf16", torch.bfloat16),
+                                   (base, "auto", torch.bfloat16), (base, "fp32", torch.float32)):
         cfg = _lm_config().model_copy(update={
             "drafter": _lm_config().drafter.model_copy(update={"lm_base": lm_base}),
-            "distill": _lm_config().distill.model_copy(update={"precision": "bf16"})})
+            "distill": _lm_config().distill.model_copy(update={"precision": chosen})})
         ctx = StageContext(cfg, RunStore(tmp_path / "runs", "r1"), tmp_path)
         ctx.__dict__["target_dir"] = target_dir  # cached_property: no hub lookup for the tiny target
         assert distill_target(ctx).dtype == dtype

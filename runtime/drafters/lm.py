@@ -151,7 +151,7 @@ class LMKind(DrafterKind):
         return LMConfig(module.config, draft_vocab).to_dict()
 
     def module(self, config, target, max_len, keep_ids):
-        return Transformer(LMConfig.from_dict(config).model, max_len)
+        return Transformer.empty(LMConfig.from_dict(config).model, max_len)  # drafter_module assigns every weight
 
     def drafter(self, module, config, target, max_len, keep_ids):
         return LMDrafter(module, max_len, keep_ids)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from runtime.files import SafetensorsReader
 from runtime.target.cpu_packing import pack_for_cpu
-from runtime.target.model import ModelConfig, Transformer, rope_tables
+from runtime.target.model import ModelConfig, Transformer
 
 # our fused linears -> the HF linears they hold, in the order they are stacked
 LINEARS = {"attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -191,8 +191,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
     if max_seq_len > cfg.max_position_embeddings:
         raise ValueError(f"{path}: max_seq_len {max_seq_len} exceeds the model's context of "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
-    with torch.device("meta"):
-        model = Transformer(cfg, max_seq_len)
+    model = Transformer.empty(cfg, max_seq_len)
 
     def place(i: int, layer: dict[str, Tensor]) -> None:  # lean: one block's plain weights at a time
         block = model.layers[i]
@@ -205,7 +204,6 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
     model.load_state_dict(rest, assign=True, strict=not lean)
     if cfg.tie_embeddings:  # assign=True made two parameters; re-tie so the table exists (and casts) once
         model.output.weight = model.tok_embeddings.weight
-    model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)  # computed in fp32, cast with the weights
     # lean, the blocks are in place already: their plain weights are meta tensors, which .to() cannot copy
     for part in (model.tok_embeddings, model.norm, model.output) if lean else (model,):
         part.to(device=device, dtype=dtype)

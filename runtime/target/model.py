@@ -271,6 +271,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @classmethod
+    def empty(cls, cfg: ModelConfig, max_seq_len: int) -> "Transformer":
+        """Its parameters on the meta device, for the caller to assign (load_state_dict(assign=True)): a random
+        init first would be one full copy more in memory. Its rope tables are real, in fp32."""
+        with torch.device("meta"):
+            model = cls(cfg, max_seq_len)
+        model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)
+        return model
+
     @property
     def dtype(self) -> torch.dtype:  # the embedding's: a lean head's plain weight is a meta tensor
         return self.tok_embeddings.weight.dtype

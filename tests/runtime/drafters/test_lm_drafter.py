@@ -18,7 +18,8 @@ from pipeline.stages.distill import build, run_distill
 from pipeline.stages.export import run_export
 from pipeline.stages.validate import REPORT_JSON, REPORT_MD, gate_reasons, run_validate
 from runtime.bundle_reader import LOOKUP_CORPUS, SPECATTN, read_bundle
-from runtime.drafters import build_drafter, drafter_config, drafter_factory, drafter_module, drafter_tensors
+from runtime.drafters import (build_drafter, drafter_config, drafter_factory, drafter_module, drafter_tensors,
+                              get_kind)
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.ngram import answer_spans
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
@@ -374,7 +375,11 @@ def test_a_drafter_module_holds_the_tensors_it_is_given_its_tied_head_still_tied
     base = from_pretrained(tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1), max_seq_len=64)
     tensors = drafter_tensors(base, None)
     assert "output.weight" not in tensors
-    module = drafter_module(drafter_config("lm", base, 0, None), target, tensors)
+    config = drafter_config("lm", base, 0, None)
+    # nor a random init first: the module is built empty, every parameter assigned (the rope tables are computed)
+    empty = get_kind("lm").module(config, target, 64, None)
+    assert all(p.is_meta for p in empty.parameters()) and not empty.rope_cos.is_meta
+    module = drafter_module(config, target, tensors)
     held = {t.data_ptr() for t in tensors.values()}
     assert all(p.data_ptr() in held for p in module.parameters())
     assert module.output.weight is module.tok_embeddings.weight

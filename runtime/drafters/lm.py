@@ -51,7 +51,7 @@ def packed_head(model: Transformer, keep_ids: Tensor | None) -> DraftHead:
     heads = _HEADS.setdefault(model, {})
     key = None if keep_ids is None else tuple(keep_ids.tolist())
     if key not in heads:
-        heads[key] = pack_for_cpu(DraftHead(model.output, keep_ids))
+        heads[key] = DraftHead.whole(model.output) if key is None else pack_for_cpu(DraftHead(model.output, keep_ids))
     return heads[key]
 
 
@@ -60,7 +60,9 @@ class LMDrafter(Drafter):
         """`model` runs inference only from here on: its weights are prepacked for CPU decoding in place, lean (one
         copy each). `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the
         drafts."""
-        self.model = model.eval().requires_grad_(False).pack_for_cpu(lean=True)
+        self.model = model.eval().requires_grad_(False)
+        if model.output.panels is None and model.output.packed is None:  # packed once: its head shares the copy
+            model.pack_for_cpu(lean=True)
         self.head = packed_head(model, keep_ids)
         self.vocab: DraftHead | None = self.head  # what the head's rows are over (grow_tree's vocab)
         self.vocab_size = self.head.vocab_size

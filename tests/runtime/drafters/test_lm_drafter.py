@@ -184,6 +184,12 @@ def test_drafters_around_one_module_share_its_packed_head(target):
     reduced, again = LMDrafter(lm, 64, keep), LMDrafter(lm, 64, keep.clone())
     assert first.head is second.head and reduced.head is again.head and first.head is not reduced.head
     assert reduced.head.vocab_size == 96 and torch.equal(reduced.head.keep_ids, keep)
+    # the whole vocabulary is the LM's own head: its packed copy shared, not read back and packed again
+    packed = lm.output.panels if lm.output.panels is not None else lm.output.packed
+    assert packed is not None and any(packed is t for t in (first.head.panels, first.head.packed))
+    h = torch.randn(3, lm.config.dim, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(first.head(h), h @ lm.output.weight_rows().t(), rtol=1e-5, atol=1e-5)
 
 
 def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model_dir, tmp_path):

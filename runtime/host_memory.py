@@ -35,3 +35,23 @@ def release_freed_memory() -> bool:
         return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def own_copies(module, mapped: dict) -> int:
+    """Copy each parameter and buffer of `module` still on the storage of one of `mapped`'s tensors (a safetensors
+    file's mapping, load_file's): while one tensor is left on that mapping, every page read through it stays
+    resident. Call it once the module has packed what it needs; returns the bytes copied."""
+    import torch.nn as nn
+
+    storages = {t.untyped_storage().data_ptr() for t in mapped.values()}
+    copies: dict[int, object] = {}  # a tied parameter is copied once and stays tied
+    for m in module.modules():
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t.is_meta or t.untyped_storage().data_ptr() not in storages:
+                continue
+            if id(t) not in copies:
+                data = t.detach().clone()
+                copies[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                    else data
+            setattr(m, name, copies[id(t)])
+    return sum(c.numel() * c.element_size() for c in copies.values())

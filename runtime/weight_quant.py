@@ -119,7 +119,12 @@ def dequantize_state_dict(tensors: dict[str, torch.Tensor], scheme: QuantScheme 
     return out
 
 
-def relative_errors(sd: dict[str, torch.Tensor], restored: dict[str, torch.Tensor]) -> dict[str, float]:
-    """||W - W'||_F / ||W||_F per quantised matrix: the number the calibration report shows."""
-    return {name: ((restored[name].float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)).item()
-            for name, w in sd.items() if is_quantizable(w)}
+def relative_errors(sd: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor],
+                    scheme: QuantScheme | str) -> dict[str, float]:
+    """||W - W'||_F / ||W||_F per quantised matrix (the number the calibration report shows), each restored from
+    `quantized` in turn: no whole restored copy beside the original."""
+    def error(name: str, w: torch.Tensor) -> float:
+        restored = dequantize_weight(quantized[name + QWEIGHT], quantized[name + SCALES], scheme)
+        return ((restored - w.float()).norm() / w.float().norm().clamp_min(1e-12)).item()
+
+    return {name: error(name, w) for name, w in sd.items() if is_quantizable(w)}

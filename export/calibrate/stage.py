@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -18,9 +18,9 @@ from export.calibrate.kv import calibrate_kv
 from export.calibrate.specattn_sweep import calibrate_specattn
 from export.calibrate.weights import calibrate_quant
 from runtime.bundle_reader import KV_QUANT, kv_engine_fields
-from runtime.drafters import drafter_module, get_kind, served_drafter
+from runtime.drafters import DRAFT_VOCAB, drafter_module, get_kind, served_drafter
 from runtime.drafters.ngram import load_corpus
-from runtime.host_memory import release_freed_memory
+from runtime.host_memory import own_copies, release_freed_memory
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import ModelConfig, Transformer
@@ -99,10 +99,10 @@ def budget_prompts(num_validate: int, ctx: CalibrateContext, n: int) -> list[lis
     return ctx.validation_prompts(num_validate + n)[num_validate:] or ctx.validation_prompts(n)
 
 
-def weight_quant(out: Path, target: Transformer, config: dict, tensors: dict, probe: TauProbe,
+def weight_quant(out: Path, target: Transformer, config: dict, load: Callable[[], dict], probe: TauProbe,
                  c) -> tuple[dict, dict, str]:
     """The drafter weights' scheme (weights.py): calibrate's outputs, metrics and message so far."""
-    quant = calibrate_quant(out, target, config, tensors, probe, list(c.weight_schemes), c.tau_tolerance)
+    quant = calibrate_quant(out, target, config, load, probe, list(c.weight_schemes), c.tau_tolerance)
     outputs = {"quant": "quant.json"}
     if quant["chosen"] != "fp32":
         outputs["quant_weights"] = "quant.safetensors"
@@ -137,7 +137,8 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
         target = ctx.load_target(min_seq_len=positions, precision=v.precision)  # once: a freed copy stays resident
         bar.update()
         bar.set_postfix_str("drafter")
-        tensors = load_file(str(distill / "drafter.safetensors")) if kind.weighted else {}
+        weights_file = str(distill / "drafter.safetensors")
+        tensors = load_file(weights_file) if kind.weighted else {}  # mapped, read as used
         bar.update()
         bar.set_postfix_str("validation rows")
         val = ctx.validation_set()
@@ -151,10 +152,16 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     def drafter_on(t: Transformer, module):
         return served_drafter(config, module, t, tensors)
 
-    outputs, metrics, message = (weight_quant(ctx.out, target, config, tensors, probe, c) if kind.weighted else
-                                 ({"quant": "quant.json"}, {}, f"{kind.name} drafter has no weights to quantise; "))
+    outputs, metrics, message = (
+        weight_quant(ctx.out, target, config, lambda: load_file(weights_file), probe, c) if kind.weighted else
+        ({"quant": "quant.json"}, {}, f"{kind.name} drafter has no weights to quantise; "))
     # built after the schemes are measured, which build their own: in bf16 it is a copy beside the fp32 tensors
     model = drafter_module(config, target, tensors) if kind.weighted else None
+    if model is not None:
+        drafter_on(target, model)  # packs it, where its kind drafts from packed weights
+        own_copies(model, tensors)  # what it still reads of the file: the rest of the mapping is then let go
+        tensors = {k: v.clone() for k, v in tensors.items() if k == DRAFT_VOCAB}
+        release_freed_memory()
 
     rows = calibration_rows(val, c.prompts, c.tokens)
     # KV schemes and SpecAttn pay off as the context grows: calibrate.context measures them there. Both compare

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -26,36 +27,41 @@ def choose_scheme(candidates: list[dict], tolerance: float) -> str:
     return min(ok, key=lambda c: c["bytes"])["scheme"] if ok else "fp32"
 
 
-def calibrate_quant(out: Path, target: Transformer, config: dict, tensors: dict[str, torch.Tensor],
+def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable[[], dict[str, torch.Tensor]],
                     probe: TauProbe, schemes: list[str], tolerance: float) -> dict:
-    """Measure tau for fp32 and each scheme, write quant.json (+ quant.safetensors unless fp32 wins) to `out`."""
+    """Measure tau for fp32 and each scheme, write quant.json (+ quant.safetensors unless fp32 wins) to `out`.
+    `load` reads the fp32 tensors (mapped from their file), each time they are needed: a scheme's tau is measured
+    with them let go, beside its own restored copy alone."""
 
     def tau_of(weights: dict[str, torch.Tensor]) -> float:
-        drafter = served_drafter(config, drafter_module(config, target, weights), target,
-                                 {k: v for k, v in weights.items() if k == DRAFT_VOCAB})
-        weights.clear()  # a restored copy: the drafter packed its own from it, and a 0.5B sibling's is 2.5 GB
-        return probe.measure(target, drafter)["tau"]
+        module, vocab = drafter_module(config, target, weights), {k: v for k, v in weights.items() if k == DRAFT_VOCAB}
+        weights.clear()  # the module holds them alone, so packing frees each plain weight: a 0.5B sibling's are 2.5 GB
+        tau = probe.measure(target, served_drafter(config, module, target, vocab))["tau"]
+        del module
+        release_freed_memory()  # this drafter, before the next one is built
+        return tau
 
     candidates, packed = [], {}
     bar = tqdm(["fp32", *schemes], desc="calibrate: drafter weight schemes", unit="scheme")
     for name in bar:
         if name == "fp32":
-            fp32_tau = tau_of(dict(tensors))
+            fp32_tau = tau_of(load())
             continue
-        scheme = QuantScheme.parse(name)
+        scheme, tensors = QuantScheme.parse(name), load()
         try:
-            packed[name] = quantize_state_dict(tensors, scheme)
+            quantized = quantize_state_dict(tensors, scheme)
         except ValueError as e:  # e.g. an input dim that is not a multiple of the group size
             candidates.append({"scheme": name, "skipped": str(e)})
             continue
-        restored = dequantize_state_dict(packed[name], scheme, dtype=target.dtype)
-        rel_error = max(relative_errors(tensors, restored).values(), default=0.0)
-        tau = tau_of(restored)
+        rel_error = max(relative_errors(tensors, quantized, scheme).values(), default=0.0)
+        # the tensors it passes through, copied: any one left on the file's mapping keeps all its pages resident
+        packed[name] = {k: v.clone() if k in tensors else v for k, v in quantized.items()}
+        del tensors, quantized
+        tau = tau_of(dequantize_state_dict(packed[name], scheme, dtype=target.dtype))
         candidates.append({"scheme": name, "tau": tau, "tau_drop": (fp32_tau - tau) / fp32_tau,
                            "rel_error": rel_error, "bytes": stored_bytes(packed[name])})
-        release_freed_memory()
     chosen = choose_scheme(candidates, tolerance)
-    report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": stored_bytes(tensors),
+    report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": stored_bytes(load()),
               "tau_tolerance": tolerance, "tau_prompts": len(probe.prompts), "candidates": candidates,
               "target_perplexity": "unchanged: only drafter weights are quantised"}
     (out / "quant.json").write_text(json.dumps(report, indent=2) + "\n")

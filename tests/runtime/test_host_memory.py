@@ -51,3 +51,33 @@ print(held - resident_mib())
 def test_release_freed_memory_hands_a_freed_stages_memory_back():
     out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, check=True).stdout
     assert int(out) >= 200  # MiB of the 256 given back
+
+
+def test_own_copies_lets_a_loaded_files_mapping_go(tmp_path):
+    """A module built on load_file's tensors (mapped from the file) holds copies of its own after own_copies: equal
+    values, a tied weight still tied, and nothing left on the mapping, whose pages then stop counting as resident."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from torch import nn
+
+    from runtime.host_memory import own_copies
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("scale", torch.ones(16))
+
+    save_file({"embed.weight": torch.randn(64, 16), "scale": torch.full((16,), 2.0)}, tmp_path / "w.safetensors")
+    mapped = load_file(tmp_path / "w.safetensors")
+    module = Tied()
+    module.load_state_dict({**mapped, "head.weight": mapped["embed.weight"]}, assign=True)
+    module.head.weight = module.embed.weight
+    on_file = {t.untyped_storage().data_ptr() for t in mapped.values()}
+    assert module.embed.weight.untyped_storage().data_ptr() in on_file
+    assert own_copies(module, mapped) == (64 * 16 + 16) * 4
+    held = [*module.parameters(), *module.buffers()]
+    assert not any(t.untyped_storage().data_ptr() in on_file for t in held)
+    assert module.head.weight is module.embed.weight and isinstance(module.embed.weight, nn.Parameter)
+    assert torch.equal(module.embed.weight, mapped["embed.weight"]) and torch.equal(module.scale, mapped["scale"])

@@ -36,8 +36,10 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable
     def tau_of(weights: dict[str, torch.Tensor]) -> float:
         module, vocab = drafter_module(config, target, weights), {k: v for k, v in weights.items() if k == DRAFT_VOCAB}
         weights.clear()  # the module holds them alone, so packing frees each plain weight: a 0.5B sibling's are 2.5 GB
-        tau = probe.measure(target, served_drafter(config, module, target, vocab))["tau"]
-        del module
+        drafter = served_drafter(config, module, target, vocab)
+        release_freed_memory()  # the plain weights packing let go, and a scheme's dequantising buffers
+        tau = probe.measure(target, drafter)["tau"]
+        del module, drafter
         release_freed_memory()  # this drafter, before the next one is built
         return tau
 

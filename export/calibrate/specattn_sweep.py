@@ -27,12 +27,14 @@ from torch import nn
 from tqdm import tqdm
 
 from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
+from runtime.host_memory import release_freed_memory
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads, query_slices
-from runtime.target.model import Taps, Transformer
+from runtime.target.model import ForwardOutput, Taps, Transformer
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
+QUERY_SLICE = 512  # queries per forward of a long row: its transients, the draft's slice and the masked scores follow it
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,27 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
     T = ids.numel()
     layers = tuple(range(target.config.n_layers)) if target_attention else ()
     taps = Taps(hidden_layers=Taps.entering(kind.reads(model)).hidden_layers, attention_layers=layers)
-    out = target(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True)
+    out = target(ids[None], target.new_cache(1, T), torch.arange(T)[None], taps=taps, no_logits=True) \
+        if target_attention else sliced_forward(target, ids, taps)
     nll = hidden_nll(target, out.hidden, ids)
     if not target_attention:  # a long row: its draft heads averaged per target kv head, all kept_keys reads of them
         return CalibrationRow(ids, None, None, nll,
                               partial(kind.draft_attention_slices, model, out, ids, target.config.n_kv_heads))
     att_t = renormalised(torch.stack([out.attention[i][0, :, 1:, 1:] for i in layers])).float()
     return CalibrationRow(ids, att_t, kind.draft_attention(model, out, ids).float(), nll)
+
+
+def sliced_forward(target: Transformer, ids: torch.Tensor, taps: Taps) -> ForwardOutput:
+    """The target's forward over ids [T], QUERY_SLICE queries at a time over a growing cache: its hidden states
+    whole, its transients a slice's (a 4k row's at once held 2.7 GB more on the 1.5B). `taps` without attention."""
+    T = ids.numel()
+    cache, parts = target.new_cache(1, T), []
+    for start in range(0, T, QUERY_SLICE):
+        end = min(start + QUERY_SLICE, T)
+        parts.append(target(ids[None, start:end], cache, torch.arange(start, end)[None], taps=taps, no_logits=True))
+        cache.advance(end - start)
+    return ForwardOutput(None, torch.cat([p.hidden for p in parts], 1),
+                         {k: torch.cat([p.layer_hidden[k] for p in parts], 1) for k in parts[0].layer_hidden})
 
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -103,8 +119,8 @@ def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.T
 def draft_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:
     """[Ld, H, rows, keys], `rows` queries at a time: query t's keys as the drafter's query that would propose
     x_{t+1} ranks them, as the engine's verify does for its root."""
-    if row.draft_attention is None:
-        return (att.float() for att in row.draft_slices(rows))
+    if row.draft_attention is None:  # map keeps no reference to a slice once it is handed on
+        return map(torch.Tensor.float, row.draft_slices(rows))
     return query_slices(row.draft_attention, rows)
 
 
@@ -115,7 +131,14 @@ def target_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:
     return query_slices(F.pad(row.target_attention, (1, 0, 1, 0)), rows)
 
 
-QUERY_SLICE = 1024  # queries per sparse forward: a masked attention's scores follow the slice, not the row
+def slice_keep(ranked: torch.Tensor, start: int, end: int, n_kv: int, sparse: SpecAttnConfig) -> torch.Tensor:
+    """kept_keys for queries start..end-1 ranked [Ld, H, rows, keys], a draft layer at a time: the search's
+    temporaries then follow one layer, not all. The caller's slice is let go when this returns."""
+    keep = torch.empty(ranked.shape[0], n_kv, end - start, end, dtype=torch.bool)
+    for i, layer in enumerate(ranked):
+        keep[i] = kept_keys(layer[None], torch.arange(start, end), end, n_kv, sparse.top_p, sparse.sink,
+                            sparse.recent)[0]
+    return keep
 
 
 @torch.inference_mode()
@@ -128,11 +151,10 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
     keys."""
     T, n_kv = row.ids.numel(), target.config.n_kv_heads
     cache, hidden, reads, dense = target.new_cache(1, T), [], 0, 0
-    for start, ranked in zip(range(0, T, QUERY_SLICE), selector(row, QUERY_SLICE)):
+    slices = selector(row, QUERY_SLICE)
+    for start in range(0, T, QUERY_SLICE):
         end = min(start + QUERY_SLICE, T)
-        # a draft layer at a time: the search's temporaries then follow one layer, not all
-        keep = sparse.layer_keep(torch.cat([kept_keys(layer[None], torch.arange(start, end), end, n_kv, sparse.top_p,
-                                                      sparse.sink, sparse.recent) for layer in ranked]))
+        keep = sparse.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse))  # the slice let go before the forward
         out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None], kv_keep=keep, no_logits=True)
         cache.advance(end - start)
         hidden.append(out.hidden)
@@ -155,6 +177,7 @@ def perplexity(nll: list[torch.Tensor]) -> float:
 def teacher_forced(target: Transformer, rows: list[CalibrationRow], sparse: SpecAttnConfig,
                    selector: Callable[[CalibrationRow], torch.Tensor], dense_ppl: float) -> dict:
     """KV reads saved and perplexity over the rows, verifying sparsely with the keys `selector` ranks."""
+    release_freed_memory()  # each measurement starts from what is live, not from the last one's freed buffers
     runs = [sparse_nll(target, r, sparse, selector) for r in rows]
     ppl = perplexity([nll for nll, _, _ in runs])
     return {"top_p": sparse.top_p, "kv_saved": 1 - sum(r for _, r, _ in runs) / sum(d for _, _, d in runs),
@@ -163,6 +186,7 @@ def teacher_forced(target: Transformer, rows: list[CalibrationRow], sparse: Spec
 
 def measure_top_p(target: Transformer, drafter: Drafter, rows: list[CalibrationRow], sparse: SpecAttnConfig,
                   dense_ppl: float, dense_tau: float, probe: TauProbe) -> dict:
+    release_freed_memory()
     tau = probe.measure(target, drafter, sparse=sparse)
     return {**teacher_forced(target, rows, sparse, draft_selector, dense_ppl), "tau": tau["tau"],
             "tau_change": tau["tau"] / dense_tau - 1, "kv_saved_generating": tau["kv_saved"]}

@@ -131,6 +131,18 @@ class LMDrafter(Drafter):
         return self.attention
 
 
+def attention_slice(module: Transformer, ids: Tensor, cache, start: int, end: int, taps: Taps) -> Tensor:
+    """[layers, heads, end - start, end]: queries start..end-1 over the cache, each tapped layer's weights moved into
+    one tensor as they are let go (beside all of them, the stack would hold the slice twice)."""
+    o = module(ids[None, start:end], cache, torch.arange(start, end)[None], taps=taps, no_logits=True)
+    cache.advance(end - start)
+    first = o.attention[taps.attention_layers[0]][0]
+    att = first.new_empty(len(taps.attention_layers), *first.shape)
+    for j, i in enumerate(taps.attention_layers):
+        att[j] = o.attention.pop(i)[0]
+    return att
+
+
 class LMStep(nn.Module):
     """The LM drafter's forward over whole sequences without a KV cache (Transformer.forward_uncached); its reduced
     draft vocabulary, if any, is a row selection the caller applies."""
@@ -172,11 +184,8 @@ class LMKind(DrafterKind):
         T = ids.numel()
         taps = Taps(attention_layers=tuple(range(module.config.n_layers)), attention_groups=kv_heads)
         cache = module.new_cache(1, T)
-        for start in range(0, T, rows):
-            end = min(start + rows, T)
-            o = module(ids[None, start:end], cache, torch.arange(start, end)[None], taps=taps, no_logits=True)
-            cache.advance(end - start)
-            yield torch.stack([o.attention[i][0] for i in taps.attention_layers])
+        for start in range(0, T, rows):  # yielded from a call, so this frame keeps no slice while the caller reads
+            yield attention_slice(module, ids, cache, start, min(start + rows, T), taps)
 
     def hf_assistant(self, config):
         return Transformer(LMConfig.from_dict(config).model, 1)  # HF's model has its own rotary tables: ours go unused

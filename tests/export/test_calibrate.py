@@ -394,6 +394,9 @@ def test_a_long_row_keeps_draft_heads_averaged_per_kv_head_and_measures_the_same
     sliced_nll, sliced_reads, _ = sparse_nll(target, long, sparse)
     assert sliced_reads == reads
     torch.testing.assert_close(sliced_nll, nll, atol=1e-4, rtol=1e-4)
+    sliced = calibration_row(target, get_kind("eagle"), eagle, ids, target_attention=False)  # its forward sliced too
+    torch.testing.assert_close(sliced.dense_nll, full.dense_nll, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(next(sliced.draft_slices(30)), next(long.draft_slices(30)), atol=1e-5, rtol=1e-4)
 
 
 def test_an_lm_drafters_long_row_computes_its_attention_a_slice_at_a_time(target_dir, distilled, monkeypatch):
@@ -415,6 +418,43 @@ def test_an_lm_drafters_long_row_computes_its_attention_a_slice_at_a_time(target
     assert long_reads == reads < dense == long_dense
     assert dense == target.config.n_layers * target.config.n_kv_heads * 30 * 31 // 2  # each query's keys 0..t
     torch.testing.assert_close(long_nll, nll, atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_rows_draft_slice_is_let_go_before_the_sparse_forward_reads_the_next(target_dir, distilled,
+                                                                                     monkeypatch):
+    """What bounds the sweep's memory at 4k tokens: neither the lm's slice generator nor sparse_nll holds a slice
+    of draft attention (or the taps it was stacked from) once the keys are chosen, while the target's forward runs."""
+    import weakref
+
+    target = from_pretrained(target_dir, max_seq_len=64)
+    lm = lm_recipe.build_lm(target, 2, "target").eval()
+    ids = distilled[0].row(0)[0][:30]
+    long = calibration_row(target, get_kind("lm"), lm, ids, target_attention=False)
+    taps, slices, live_at_forward = [], [], []
+    lm_forward, target_forward = lm.forward, target.forward
+
+    def tapped(*args, **kwargs):
+        out = lm_forward(*args, **kwargs)
+        taps.extend(weakref.ref(a) for a in out.attention.values())
+        return out
+
+    def seen(s):
+        slices.append(weakref.ref(s))
+        return s
+
+    def selector(row, rows):
+        return map(seen, draft_selector(row, rows))
+
+    def forward(*args, **kwargs):
+        live_at_forward.append(sum(r() is not None for r in taps + slices))
+        return target_forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", tapped)
+    monkeypatch.setattr(target, "forward", forward)
+    monkeypatch.setattr(specattn_sweep, "QUERY_SLICE", 7)
+    sparse_nll(target, long, SpecAttnConfig((-1, 0, 1, 1), 0.5, dense_first=1, sink=1, recent=2), selector)
+    assert len(slices) == 5 and len(taps) == 5 * lm.config.n_layers
+    assert live_at_forward == [0] * 5
 
 
 def test_choose_kv_scheme_is_the_smallest_within_both_tolerances_and_the_slowdown():

@@ -102,9 +102,11 @@ class Bundle:
         return load_corpus(self.path(LOOKUP_CORPUS), max_depth=lookup)
 
     def tensors(self, name: str = WEIGHTS) -> dict:
-        from safetensors.torch import load_file
+        """The file's tensors in memory of their own (runtime.host_memory.read_tensors): a drafter built from them
+        keeps none of the file's pages resident."""
+        from runtime.host_memory import read_tensors
 
-        return load_file(str(self.path(name)))
+        return read_tensors(self.path(name))
 
 
 def kv_engine_fields(kv_quant: dict) -> dict:

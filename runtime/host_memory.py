@@ -8,22 +8,50 @@ tensor reuses them already faulted in.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters (malloc.h)
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before it is returned to the OS
+LARGE_BLOCK = 32 << 20  # glibc's largest mmap threshold
+MMAP_MAX = 65536  # glibc's default count of mapped blocks
+_keeping = False  # whether keep_freed_memory's settings are on
+
+
+def _mallopt():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
 
 
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc as above; False (and nothing changed) where the C library is not glibc."""
+    global _keeping
+    mallopt = _mallopt()
+    _keeping = mallopt is not None and bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _keeping
+
+
+@contextlib.contextmanager
+def returning_large_blocks():
+    """Inside, blocks above LARGE_BLOCK are mapped apart and unmapped when freed, as glibc does by default: for
+    work over a long row, whose large temporaries outgrow one another slice after slice (a 4k row's logits, draft
+    attention and masks), which the heap would keep as holes nothing reuses. The settings before are restored."""
+    mallopt, keeping = _mallopt(), _keeping
+    if mallopt is None:
+        yield
+        return
+    release_freed_memory()  # what is already freed, too
+    mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK)
+    mallopt(M_MMAP_MAX, MMAP_MAX)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        yield
+    finally:
+        if keeping:
+            keep_freed_memory()
 
 
 def release_freed_memory() -> bool:
@@ -37,21 +65,38 @@ def release_freed_memory() -> bool:
         return False
 
 
-def own_copies(module, mapped: dict) -> int:
-    """Copy each parameter and buffer of `module` still on the storage of one of `mapped`'s tensors (a safetensors
-    file's mapping, load_file's): while one tensor is left on that mapping, every page read through it stays
-    resident. Call it once the module has packed what it needs; returns the bytes copied."""
-    import torch.nn as nn
+# safetensors' dtype names (its format's header) -> torch's
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
-    storages = {t.untyped_storage().data_ptr() for t in mapped.values()}
-    copies: dict[int, object] = {}  # a tied parameter is copied once and stays tied
-    for m in module.modules():
-        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-            if t.is_meta or t.untyped_storage().data_ptr() not in storages:
-                continue
-            if id(t) not in copies:
-                data = t.detach().clone()
-                copies[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
-                    else data
-            setattr(m, name, copies[id(t)])
-    return sum(c.numel() * c.element_size() for c in copies.values())
+
+def read_tensors(path) -> dict:
+    """A safetensors file's tensors, read into memory of their own instead of mapped from the file (load_file maps
+    it: every page read through the mapping stays resident until the last tensor on it is gone, so a module built
+    from it and packed holds the file beside its packed copy). Each tensor can then be freed alone."""
+    import json
+    import os
+
+    import torch
+
+    with open(path, "rb") as f:
+        size, total = int.from_bytes(f.read(8), "little"), os.fstat(f.fileno()).st_size
+        try:
+            header = json.loads(f.read(size)) if 8 + size <= total else None
+        except ValueError:  # JSON's errors and undecodable bytes
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: not a safetensors file (no JSON header of {size} bytes in {total})")
+        header.pop("__metadata__", None)
+        tensors = {}
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
+                                 f"{sorted(SAFETENSORS_DTYPES)}")
+            t = torch.empty(info["shape"], dtype=getattr(torch, SAFETENSORS_DTYPES[info["dtype"]]))
+            f.seek(8 + size + start)
+            if f.readinto(t.view(-1).view(torch.uint8).numpy()) != end - start or t.nbytes != end - start:
+                raise ValueError(f"{path}: tensor {name!r} is truncated (expected {end - start} bytes)")
+            tensors[name] = t
+    return tensors

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from export.calibrate.specattn_sweep import hidden_nll, perplexity
+from export.calibrate.specattn_sweep import QUERY_SLICE, hidden_nll, perplexity
 from export.calibrate.timing import interleaved_ms
 from runtime.bundle_reader import KV_QUANT, NO_KV_QUANT
+from runtime.host_memory import returning_large_blocks
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import Transformer
@@ -32,7 +33,9 @@ def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None)
     cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, T, c.head_dim, quant, target.dtype, target.device)
     hidden, start = [], 0
     while start < T:
-        n = T - start if not isinstance(cache, QuantizedKVCache) else min(T - start, cache.exact_depth() + 1)
+        n = min(T - start, QUERY_SLICE)  # a slice's transients, not a long row's
+        if isinstance(cache, QuantizedKVCache):
+            n = min(n, cache.exact_depth() + 1)
         chunk = ids[start:start + n].to(target.device)
         hidden.append(target(chunk[None], cache, torch.arange(start, start + n, device=target.device)[None],
                              no_logits=True).hidden)
@@ -52,8 +55,8 @@ def decode_ms(target: Transformer, quants: dict[str, KVQuant | None], context: i
 
     def decode(quant: KVQuant | None):
         cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, context + 1, c.head_dim, quant, target.dtype, device)
-        target(ids[:, :context], cache, torch.arange(context, device=device)[None])
-        cache.advance(context)  # moves the committed history below the block boundary into the codes
+        # in slices, each advancing the cache: the committed history below a block boundary moves into the codes
+        target.prefill(ids[:, :context], cache, chunk=QUERY_SLICE)
         # the slot after the history is rewritten by every call, never committed
         return lambda: target(ids[:, context:], cache, position, last_logits_only=True)
 
@@ -73,6 +76,7 @@ def choose_kv_scheme(candidates: list[dict], tau_tolerance: float, ppl_tolerance
     return min(ok, key=lambda c: (c["target_bits"], c["draft_bits"]))["scheme"] if ok else NO_KV_QUANT
 
 
+@returning_large_blocks()  # a long row's perplexity: its large temporaries outgrow one another slice after slice
 def calibrate_kv(out: Path, target: Transformer, drafter: Drafter, rows: list[torch.Tensor], *, schemes: list[str],
                  recent: int, tau_tolerance: float, ppl_tolerance: float, probe: TauProbe,
                  dense_tau: float, decode_context: int,

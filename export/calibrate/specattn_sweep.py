@@ -27,14 +27,14 @@ from torch import nn
 from tqdm import tqdm
 
 from export.calibrate.layer_map import LayerMap, kl_similarity, plot_layer_map
-from runtime.host_memory import release_freed_memory
+from runtime.host_memory import release_freed_memory, returning_large_blocks
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads, query_slices
 from runtime.target.model import ForwardOutput, Taps, Transformer
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
-QUERY_SLICE = 512  # queries per forward of a long row: its transients, the draft's slice and the masked scores follow it
+QUERY_SLICE = 512  # queries per forward of a long row: its transients, draft slice and masked scores follow it
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
 
 def sliced_forward(target: Transformer, ids: torch.Tensor, taps: Taps) -> ForwardOutput:
     """The target's forward over ids [T], QUERY_SLICE queries at a time over a growing cache: its hidden states
-    whole, its transients a slice's (a 4k row's at once held 2.7 GB more on the 1.5B). `taps` without attention."""
+    whole, its transients a slice's. `taps` without attention."""
     T = ids.numel()
     cache, parts = target.new_cache(1, T), []
     for start in range(0, T, QUERY_SLICE):
@@ -154,7 +154,7 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
     slices = selector(row, QUERY_SLICE)
     for start in range(0, T, QUERY_SLICE):
         end = min(start + QUERY_SLICE, T)
-        keep = sparse.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse))  # the slice let go before the forward
+        keep = sparse.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse))  # the slice let go here
         out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None], kv_keep=keep, no_logits=True)
         cache.advance(end - start)
         hidden.append(out.hidden)
@@ -235,6 +235,7 @@ def plot_sparsity(sweep: list[dict], ceiling: list[dict], ppl_tolerance: float, 
     return path
 
 
+@returning_large_blocks()  # long rows: their large temporaries outgrow one another slice after slice
 def calibrate_specattn(out: Path, target: Transformer, kind: DrafterKind, model: nn.Module, drafter: Drafter,
                        ids: list[torch.Tensor], *, dense_first: int, top_p: list[float], ppl_tolerance: float,
                        probe: TauProbe, dense_tau: float, long_ids: list[torch.Tensor] | None = None

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from export.calibrate.budget_search import calibrate_budget
@@ -20,7 +19,7 @@ from export.calibrate.weights import calibrate_quant
 from runtime.bundle_reader import KV_QUANT, kv_engine_fields
 from runtime.drafters import DRAFT_VOCAB, drafter_module, get_kind, served_drafter
 from runtime.drafters.ngram import load_corpus
-from runtime.host_memory import own_copies, release_freed_memory
+from runtime.host_memory import read_tensors, release_freed_memory
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import ModelConfig, Transformer
@@ -123,7 +122,7 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
                           f"{kind.name} drafter has no weights: quantisation and layer map not applicable")
     c, v = ctx.cfg.calibrate, ctx.cfg.validate
     configured, corpus_file = ctx.configured_budget(), ctx.lookup_corpus_file()
-    with tqdm(total=3, desc="calibrate: load", unit="step") as bar:
+    with tqdm(total=2, desc="calibrate: load", unit="step") as bar:
         # in validate's precision, as serving runs: bf16 verifies a tree at relatively less cost than fp32 where it
         # is fast, which moves the fastest budget. One target measures and times, since two (fp32 beside bf16) held
         # the 1.5B twice
@@ -136,10 +135,6 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
                              f"{positions} positions, more than the target's context of {limit}")
         target = ctx.load_target(min_seq_len=positions, precision=v.precision)  # once: a freed copy stays resident
         bar.update()
-        bar.set_postfix_str("drafter")
-        weights_file = str(distill / "drafter.safetensors")
-        tensors = load_file(weights_file) if kind.weighted else {}  # mapped, read as used
-        bar.update()
         bar.set_postfix_str("validation rows")
         val = ctx.validation_set()
         bar.update()
@@ -150,17 +145,19 @@ def run_calibrate(ctx: CalibrateContext, s: CalibrateSettings = SETTINGS):
     probe = ctx.tau_probe(prompts, s.tau_new_tokens)
 
     def drafter_on(t: Transformer, module):
-        return served_drafter(config, module, t, tensors)
+        return served_drafter(config, module, t, vocab)
 
+    weights_file = distill / "drafter.safetensors"
     outputs, metrics, message = (
-        weight_quant(ctx.out, target, config, lambda: load_file(weights_file), probe, c) if kind.weighted else
+        weight_quant(ctx.out, target, config, lambda: read_tensors(weights_file), probe, c) if kind.weighted else
         ({"quant": "quant.json"}, {}, f"{kind.name} drafter has no weights to quantise; "))
     # built after the schemes are measured, which build their own: in bf16 it is a copy beside the fp32 tensors
-    model = drafter_module(config, target, tensors) if kind.weighted else None
-    if model is not None:
+    model, vocab = None, {}
+    if kind.weighted:
+        tensors = read_tensors(weights_file)
+        model, vocab = drafter_module(config, target, tensors), {k: t for k, t in tensors.items() if k == DRAFT_VOCAB}
+        del tensors  # the module holds them alone, so packing frees each plain weight
         drafter_on(target, model)  # packs it, where its kind drafts from packed weights
-        own_copies(model, tensors)  # what it still reads of the file: the rest of the mapping is then let go
-        tensors = {k: v.clone() for k, v in tensors.items() if k == DRAFT_VOCAB}
         release_freed_memory()
 
     rows = calibration_rows(val, c.prompts, c.tokens)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from runtime.drafters import DRAFT_VOCAB, drafter_module, served_drafter
-from runtime.host_memory import release_freed_memory
+from runtime.host_memory import release_freed_memory, returning_large_blocks
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import Transformer
 from runtime.weight_quant import QuantScheme, dequantize_state_dict, quantize_state_dict, relative_errors
@@ -27,11 +27,12 @@ def choose_scheme(candidates: list[dict], tolerance: float) -> str:
     return min(ok, key=lambda c: c["bytes"])["scheme"] if ok else "fp32"
 
 
+@returning_large_blocks()  # each matrix's quantising temporaries, each scheme's copy: of every size, freed in turn
 def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable[[], dict[str, torch.Tensor]],
                     probe: TauProbe, schemes: list[str], tolerance: float) -> dict:
     """Measure tau for fp32 and each scheme, write quant.json (+ quant.safetensors unless fp32 wins) to `out`.
-    `load` reads the fp32 tensors (mapped from their file), each time they are needed: a scheme's tau is measured
-    with them let go, beside its own restored copy alone."""
+    `load` reads the fp32 tensors from their file each time they are needed: a scheme's tau is measured with them
+    let go, beside its own restored copy alone."""
 
     def tau_of(weights: dict[str, torch.Tensor]) -> float:
         module, vocab = drafter_module(config, target, weights), {k: v for k, v in weights.items() if k == DRAFT_VOCAB}
@@ -47,7 +48,9 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable
     bar = tqdm(["fp32", *schemes], desc="calibrate: drafter weight schemes", unit="scheme")
     for name in bar:
         if name == "fp32":
-            fp32_tau = tau_of(load())
+            weights = load()
+            fp32_bytes = stored_bytes(weights)
+            fp32_tau = tau_of(weights)
             continue
         scheme, tensors = QuantScheme.parse(name), load()
         try:
@@ -56,14 +59,13 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable
             candidates.append({"scheme": name, "skipped": str(e)})
             continue
         rel_error = max(relative_errors(tensors, quantized, scheme).values(), default=0.0)
-        # the tensors it passes through, copied: any one left on the file's mapping keeps all its pages resident
-        packed[name] = {k: v.clone() if k in tensors else v for k, v in quantized.items()}
-        del tensors, quantized
+        packed[name] = quantized
+        del tensors
         tau = tau_of(dequantize_state_dict(packed[name], scheme, dtype=target.dtype))
         candidates.append({"scheme": name, "tau": tau, "tau_drop": (fp32_tau - tau) / fp32_tau,
                            "rel_error": rel_error, "bytes": stored_bytes(packed[name])})
     chosen = choose_scheme(candidates, tolerance)
-    report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": stored_bytes(load()),
+    report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": fp32_bytes,
               "tau_tolerance": tolerance, "tau_prompts": len(probe.prompts), "candidates": candidates,
               "target_perplexity": "unchanged: only drafter weights are quantised"}
     (out / "quant.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -7,7 +7,7 @@ import pytest
 
 PROBE = """
 import ctypes, sys, torch
-from runtime.host_memory import keep_freed_memory
+from runtime.host_memory import keep_freed_memory, returning_large_blocks
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
@@ -19,14 +19,17 @@ def mapped_during_alloc():
     return libc.mallinfo2().hblkhd >= 64 << 20
 before = mapped_during_alloc()
 kept = keep_freed_memory()
-print(before, kept, mapped_during_alloc())
+after = mapped_during_alloc()
+with returning_large_blocks():
+    inside = mapped_during_alloc()
+print(before, kept, after, inside, mapped_during_alloc())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
-def test_large_tensors_stay_in_the_heap_after_keep_freed_memory():
+def test_large_tensors_stay_in_the_heap_after_keep_freed_memory_but_inside_returning_large_blocks():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "True", "False"]  # mmapped before; from the heap after
+    assert out == ["True", "True", "False", "True", "False"]  # mmapped before; from the heap after, but inside
 
 
 RELEASE_PROBE = """
@@ -53,31 +56,41 @@ def test_release_freed_memory_hands_a_freed_stages_memory_back():
     assert int(out) >= 200  # MiB of the 256 given back
 
 
-def test_own_copies_lets_a_loaded_files_mapping_go(tmp_path):
-    """A module built on load_file's tensors (mapped from the file) holds copies of its own after own_copies: equal
-    values, a tied weight still tied, and nothing left on the mapping, whose pages then stop counting as resident."""
+def test_read_tensors_reads_a_file_into_memory_of_its_own(tmp_path):
+    """read_tensors gives load_file's tensors, each dtype and shape, on storage of their own: none is on a mapping
+    of the file, whose pages would stay resident while any tensor on it lives."""
     import torch
     from safetensors.torch import load_file, save_file
-    from torch import nn
 
-    from runtime.host_memory import own_copies
+    from runtime.host_memory import read_tensors
 
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64, bias=False)
-            self.head.weight = self.embed.weight
-            self.register_buffer("scale", torch.ones(16))
+    path = tmp_path / "w.safetensors"
+    saved = {"embed.weight": torch.randn(64, 16), "scale": torch.full((16,), 2.0, dtype=torch.bfloat16),
+             "ids": torch.arange(5), "flag": torch.tensor(True), "q": torch.randint(-8, 8, (3, 4), dtype=torch.int8)}
+    save_file(saved, path, metadata={"scheme": "int8"})
+    read = read_tensors(path)
+    assert read.keys() == saved.keys()
+    for name, t in saved.items():
+        assert read[name].dtype == t.dtype and torch.equal(read[name], t)
+    mapped = load_file(path)  # the check's own control: load_file's tensors are on the mapping
+    regions = [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in open("/proc/self/maps")
+               if line.rstrip().endswith(str(path))]
+    on_file = lambda t: any(a <= t.untyped_storage().data_ptr() < b for a, b in regions)
+    assert regions and all(on_file(t) for t in mapped.values() if t.numel())
+    assert not any(on_file(t) for t in read.values())
 
-    save_file({"embed.weight": torch.randn(64, 16), "scale": torch.full((16,), 2.0)}, tmp_path / "w.safetensors")
-    mapped = load_file(tmp_path / "w.safetensors")
-    module = Tied()
-    module.load_state_dict({**mapped, "head.weight": mapped["embed.weight"]}, assign=True)
-    module.head.weight = module.embed.weight
-    on_file = {t.untyped_storage().data_ptr() for t in mapped.values()}
-    assert module.embed.weight.untyped_storage().data_ptr() in on_file
-    assert own_copies(module, mapped) == (64 * 16 + 16) * 4
-    held = [*module.parameters(), *module.buffers()]
-    assert not any(t.untyped_storage().data_ptr() in on_file for t in held)
-    assert module.head.weight is module.embed.weight and isinstance(module.embed.weight, nn.Parameter)
-    assert torch.equal(module.embed.weight, mapped["embed.weight"]) and torch.equal(module.scale, mapped["scale"])
+
+def test_read_tensors_names_a_truncated_or_foreign_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from runtime.host_memory import read_tensors
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(32, 32)}, path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"w.safetensors: tensor 'w' is truncated"):
+        read_tensors(path)
+    path.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match=r"w.safetensors: not a safetensors file"):
+        read_tensors(path)

@@ -1,0 +1,74 @@
+"""Run a `pipeline` command with the peak resident memory of each calibrate phase printed as it ends: the kernel's
+own high-water mark (VmHWM), reset as each phase starts, so a short spike is not missed as sampling would miss it.
+scripts/memory_timeline.py says when a peak falls; this says in which function.
+
+    python scripts/phase_memory.py run --config configs/qwen-coder-sibling-lora.yaml --run-id sib --stage calibrate
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import time
+
+PHASES = [  # (module, owner class or None, function)
+    ("pipeline.stages.context", "StageContext", "load_target"),
+    ("export.calibrate.stage", None, "read_tensors"),
+    ("export.calibrate.stage", None, "served_drafter"),
+    ("export.calibrate.stage", None, "weight_quant"),
+    ("export.calibrate.stage", None, "calibrate_kv"),
+    ("export.calibrate.stage", None, "calibrate_budget"),
+    ("export.calibrate.stage", None, "calibrate_specattn"),
+    ("export.calibrate.specattn_sweep", None, "calibration_row"),
+    ("export.calibrate.specattn_sweep", None, "sparse_nll"),
+    ("export.calibrate.specattn_sweep", None, "measure_ceiling"),
+    ("runtime.speculation.tau_probe", "TauProbe", "measure"),
+]
+
+
+def status_gb(field: str) -> float:
+    line = next(line for line in open("/proc/self/status") if line.startswith(field + ":"))
+    return int(line.split()[1]) / 2**20
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size (proc(5))
+
+
+open_phases: list[float] = []  # per open phase, the highest peak of those it called
+start = time.time()
+
+
+def measured(name: str, fn):
+    @functools.wraps(fn)
+    def phase(*args, **kwargs):
+        before = status_gb("VmRSS")
+        if open_phases:
+            open_phases[-1] = max(open_phases[-1], status_gb("VmHWM"))
+        reset_peak()
+        open_phases.append(0.0)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            peak = max(open_phases.pop(), status_gb("VmHWM"))
+            if open_phases:
+                open_phases[-1] = max(open_phases[-1], peak)
+            reset_peak()
+            print(f"[memory {time.time() - start:6.0f} s] {'  ' * len(open_phases)}{name}: {before:.2f} GB before, "
+                  f"peak {peak:.2f}, after {status_gb('VmRSS'):.2f}", file=sys.stderr, flush=True)
+    return phase
+
+
+def main() -> int:
+    for module, owner, name in PHASES:
+        holder = importlib.import_module(module)
+        holder = getattr(holder, owner) if owner else holder
+        setattr(holder, name, measured(f"{owner + '.' if owner else ''}{name}", getattr(holder, name)))
+    from pipeline.cli import main as pipeline
+
+    return pipeline(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

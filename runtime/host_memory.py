@@ -4,7 +4,8 @@ glibc serves every allocation above its mmap threshold (at most 32 MiB) with a f
 so each new tensor that large page-faults all its pages in again, and distill makes several such logits tensors per
 step (docs/logs/cpu-2026-11.md, "Measurements moved out of docstrings (2026-11-28)"
 has what that cost). With mmap off and a high trim threshold, freed blocks stay in the heap and the next
-tensor reuses them already faulted in.
+tensor reuses them already faulted in. Work whose large blocks do not repeat (a long row's, sliced) runs under
+returning_large_blocks instead, and a checkpoint is read into memory of its own (read_tensors), not mapped.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def keep_freed_memory() -> bool:
 def returning_large_blocks():
     """Inside, blocks above LARGE_BLOCK are mapped apart and unmapped when freed, as glibc does by default: for
     work over a long row, whose large temporaries outgrow one another slice after slice (a 4k row's logits, draft
-    attention and masks), which the heap would keep as holes nothing reuses. The settings before are restored."""
+    attention and masks), which the heap would keep as holes nothing reuses. keep_freed_memory's settings come back
+    after, where they were on."""
     mallopt, keeping = _mallopt(), _keeping
     if mallopt is None:
         yield

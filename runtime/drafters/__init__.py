@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from runtime.bundle_reader import Bundle, BundleError
+from runtime.host_memory import release_freed_memory
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.target.model import Transformer
 from runtime.weight_quant import dequantize_state_dict
@@ -98,7 +99,11 @@ def hf_assistant(bundle: Bundle, dtype: torch.dtype) -> nn.Module | None:
         module = with_weights(kind, module, tensors)
     except ValueError as e:  # weights that do not describe its kind
         raise BundleError(f"bundle {bundle.dir}: {e}") from None
-    return kind.hf_causal_lm(module.to(dtype).eval())
+    del tensors
+    hf = kind.hf_causal_lm(module.to(dtype).eval())
+    del module
+    release_freed_memory()  # the file's codes, the restored weights HF copied: a sibling's are gigabytes
+    return hf
 
 
 def served_drafter(config: dict, module: nn.Module | None, target: Transformer, tensors: dict[str, torch.Tensor],
@@ -149,4 +154,5 @@ def drafter_factory(bundle: Bundle, target: Transformer, max_len: int) -> Callab
     module = checked(lambda: drafter_module(config, target, tensors, max_len)
                      if get_kind(config["kind"]).weighted else None)
     del tensors  # the module holds them
+    release_freed_memory()  # the file's codes and what restoring them let go
     return lambda: checked(lambda: served_drafter(config, module, target, vocab, max_len))

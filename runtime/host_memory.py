@@ -21,9 +21,10 @@ MMAP_MAX = 65536  # glibc's default count of mapped blocks
 _keeping = False  # whether keep_freed_memory's settings are on
 
 
-def _mallopt():
+def _glibc(function: str):
+    """glibc's `function` (mallopt, malloc_trim); None where the C library is another."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)
     except (OSError, AttributeError):
         return None
 
@@ -31,7 +32,7 @@ def _mallopt():
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc as above; False (and nothing changed) where the C library is not glibc."""
     global _keeping
-    mallopt = _mallopt()
+    mallopt = _glibc("mallopt")
     _keeping = mallopt is not None and bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _keeping
 
@@ -42,7 +43,7 @@ def returning_large_blocks():
     work over a long row, whose large temporaries outgrow one another slice after slice (a 4k row's logits, draft
     attention and masks), which the heap would keep as holes nothing reuses. keep_freed_memory's settings come back
     after, where they were on."""
-    mallopt, keeping = _mallopt(), _keeping
+    mallopt, keeping = _glibc("mallopt"), _keeping
     if mallopt is None:
         yield
         return
@@ -61,10 +62,8 @@ def release_freed_memory() -> bool:
     load buffers stay resident otherwise (a stage's whole target, into the next stage). Collects cyclic garbage
     first, so that what it held is freed too. False where the C library is not glibc."""
     gc.collect()
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    malloc_trim = _glibc("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
 
 
 # safetensors' dtype names (its format's header) -> torch's

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pipeline.errors import DraftsmithError
 from pipeline.home import atomic_dir
-from runtime.target.model import ARCHITECTURES
+from runtime.target.model_config import ARCHITECTURES
 
 SHARD_BYTES = 1 << 30
 # GGUF general.architecture -> the HF model_type it converts to (llama.cpp files Mistral under llama)

@@ -28,7 +28,7 @@ def resolve_target(spec: str) -> Path:
 
 def check_causal_lm(spec: str, model_dir: Path) -> Path:
     """`model_dir` if its config.json describes a causal LM the runtime implements, else a one-line error."""
-    from runtime.target.model import ModelConfig
+    from runtime.target.model_config import ModelConfig
 
     try:
         ModelConfig.from_dir(model_dir)

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.files import sha256_file
+from runtime.files import read_tensors, sha256_file
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.target.attention import SpecAttnConfig
 
@@ -102,10 +102,8 @@ class Bundle:
         return load_corpus(self.path(LOOKUP_CORPUS), max_depth=lookup)
 
     def tensors(self, name: str = WEIGHTS) -> dict:
-        """The file's tensors in memory of their own (runtime.host_memory.read_tensors): a drafter built from them
-        keeps none of the file's pages resident."""
-        from runtime.host_memory import read_tensors
-
+        """The file's tensors in memory of their own (read_tensors): a drafter built from them keeps none of the
+        file's pages resident."""
         return read_tensors(self.path(name))
 
 

@@ -5,7 +5,7 @@ so each new tensor that large page-faults all its pages in again, and distill ma
 step (docs/logs/cpu-2026-11.md, "Measurements moved out of docstrings (2026-11-28)"
 has what that cost). With mmap off and a high trim threshold, freed blocks stay in the heap and the next
 tensor reuses them already faulted in. Work whose large blocks do not repeat (a long row's, sliced) runs under
-returning_large_blocks instead, and a checkpoint is read into memory of its own (read_tensors), not mapped.
+returning_large_blocks instead, and a checkpoint is read into memory of its own (runtime.files.read_tensors), not mapped.
 """
 from __future__ import annotations
 
@@ -65,39 +65,3 @@ def release_freed_memory() -> bool:
     malloc_trim = _glibc("malloc_trim")
     return malloc_trim is not None and bool(malloc_trim(0))
 
-
-# safetensors' dtype names (its format's header) -> torch's
-SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def read_tensors(path) -> dict:
-    """A safetensors file's tensors, read into memory of their own instead of mapped from the file (load_file maps
-    it: every page read through the mapping stays resident until the last tensor on it is gone, so a module built
-    from it and packed holds the file beside its packed copy). Each tensor can then be freed alone."""
-    import json
-    import os
-
-    import torch
-
-    with open(path, "rb") as f:
-        size, total = int.from_bytes(f.read(8), "little"), os.fstat(f.fileno()).st_size
-        try:
-            header = json.loads(f.read(size)) if 8 + size <= total else None
-        except ValueError:  # JSON's errors and undecodable bytes
-            header = None
-        if not isinstance(header, dict):
-            raise ValueError(f"{path}: not a safetensors file (no JSON header of {size} bytes in {total})")
-        header.pop("__metadata__", None)
-        tensors = {}
-        for name, info in header.items():
-            start, end = info["data_offsets"]
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected one of "
-                                 f"{sorted(SAFETENSORS_DTYPES)}")
-            t = torch.empty(info["shape"], dtype=getattr(torch, SAFETENSORS_DTYPES[info["dtype"]]))
-            f.seek(8 + size + start)
-            if f.readinto(t.view(-1).view(torch.uint8).numpy()) != end - start or t.nbytes != end - start:
-                raise ValueError(f"{path}: tensor {name!r} is truncated (expected {end - start} bytes)")
-            tensors[name] = t
-    return tensors

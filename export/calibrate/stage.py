@@ -19,10 +19,12 @@ from export.calibrate.weights import calibrate_quant
 from runtime.bundle_reader import KV_QUANT, kv_engine_fields
 from runtime.drafters import DRAFT_VOCAB, drafter_module, get_kind, served_drafter
 from runtime.drafters.ngram import load_corpus
-from runtime.host_memory import read_tensors, release_freed_memory
+from runtime.files import read_tensors
+from runtime.host_memory import release_freed_memory
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.tau_probe import TauProbe
-from runtime.target.model import ModelConfig, Transformer
+from runtime.target.model import Transformer
+from runtime.target.model_config import ModelConfig
 
 NOT_APPLICABLE = "not applicable"
 

@@ -28,7 +28,8 @@ from runtime.speculation.engine import Engine, EngineConfig, Generation
 from runtime.speculation.sampling import SamplingParams
 from runtime.target.attention import pick_backend
 from runtime.target.loading import from_pretrained
-from runtime.target.model import ModelConfig, Transformer, context_error
+from runtime.target.model import Transformer
+from runtime.target.model_config import ModelConfig, context_error
 
 Method = Callable[[list[int], torch.Generator], tuple[list[int], "Generation | None"]]
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from runtime.host_memory import release_freed_memory
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.target.loading import from_pretrained
-from runtime.target.model import ModelConfig, context_error
+from runtime.target.model_config import ModelConfig, context_error
 
 MAX = "max"  # --context: the longest prompt the model's context holds with max_new_tokens after it
 QUESTION = "Summarise the document above in a few sentences, then name its main topic."

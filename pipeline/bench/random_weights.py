@@ -30,7 +30,8 @@ from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.tree import DraftTree
 from runtime.target.loading import hf_causal_lm
-from runtime.target.model import ModelConfig, Transformer, rope_tables
+from runtime.target.model import Transformer, rope_tables
+from runtime.target.model_config import ModelConfig
 
 RANDOM_CONFIGS: dict[str, dict] = {
     "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M(-Instruct) shape

@@ -32,7 +32,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # the req
 
 def _ask(served: ServedModel, body, ids: list[int], max_tokens: int | None) -> Ask:
     """The request's ids and settings, checked against the served context: a 400 for what cannot run."""
-    from runtime.target.model import context_error
+    from runtime.target.model_config import context_error
 
     vocab = served.engine.target.config.vocab_size
     if any(not 0 <= t < vocab for t in ids):

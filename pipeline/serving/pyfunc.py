@@ -49,7 +49,7 @@ class DraftsmithPyfunc(mlflow.pyfunc.PythonModel):
         from runtime.serving.batch_engine import BatchRequest
         from runtime.serving.scheduler import SchedulerError
         from runtime.speculation.sampling import SamplingParams
-        from runtime.target.model import context_error
+        from runtime.target.model_config import context_error
 
         served, requests = self.served, []
         for row in model_input.to_dict(orient="records"):

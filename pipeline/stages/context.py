@@ -39,7 +39,7 @@ class StageContext:
 
         from runtime.host_memory import release_freed_memory
         from runtime.target.loading import from_pretrained
-        from runtime.target.model import ModelConfig
+        from runtime.target.model_config import ModelConfig
         from runtime.target.precision import float_dtype
 
         if max_seq_len is None:

@@ -57,7 +57,7 @@ def distill_target(ctx: StageContext):
     recipe's initialisation copies."""
     import torch
 
-    from runtime.target.model import ModelConfig
+    from runtime.target.model_config import ModelConfig
     from runtime.target.precision import use_bf16
     from train.recipes import get_recipe
 

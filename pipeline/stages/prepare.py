@@ -83,7 +83,7 @@ def take_traffic(ctx: StageContext, splits: dict[str, list]):
     import random
 
     from pipeline.traffic import mix_sizes, read_traffic
-    from runtime.target.model import ModelConfig
+    from runtime.target.model_config import ModelConfig
 
     d = ctx.cfg.data
     traffic = read_traffic(d, ModelConfig.from_dir(ctx.target_dir).vocab_size)

@@ -15,7 +15,8 @@ from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_
 from runtime.speculation.drafter import EngineExport
 from runtime.target.cpu_packing import Linear
 from runtime.target.loading import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
-from runtime.target.model import Block, ModelConfig, Transformer
+from runtime.target.model import Block, Transformer
+from runtime.target.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_
 from runtime.speculation.drafter import EngineExport
 from runtime.target.cpu_packing import Linear
 from runtime.target.loading import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
-from runtime.target.model import Block, ModelConfig, RMSNorm, Transformer
+from runtime.target.model import Block, RMSNorm, Transformer
+from runtime.target.model_config import ModelConfig
 
 AUX = 3  # low, middle and high streams
 

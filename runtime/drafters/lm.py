@@ -23,7 +23,8 @@ from runtime.speculation.dynamic_tree import Candidates, TreeSlots, grow_tree, t
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.target.cpu_packing import pack_for_cpu
-from runtime.target.model import ModelConfig, RopeScaling, Taps, Transformer
+from runtime.target.model import Taps, Transformer
+from runtime.target.model_config import ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.speculation.verify import verify
 from runtime.target.attention import kept_keys
-from runtime.target.model import Taps, Transformer, context_error
+from runtime.target.model import Taps, Transformer
+from runtime.target.model_config import context_error
 from runtime.target.quant_kv_cache import QuantizedKVCache, kv_cache_as
 
 

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from runtime.files import SafetensorsReader
 from runtime.target.cpu_packing import pack_for_cpu
-from runtime.target.model import ModelConfig, Transformer
+from runtime.target.model import Transformer
+from runtime.target.model_config import ModelConfig
 
 # our fused linears -> the HF linears they hold, in the order they are stacked
 LINEARS = {"attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -57,10 +58,11 @@ def _our_layer(cfg: ModelConfig, take) -> dict[str, Tensor]:
 
 
 def load_hf_state_dict(path: Path, cfg: ModelConfig,
-                       place_layer: Callable[[int, dict[str, Tensor]], None] | None = None) -> dict[str, Tensor]:
-    """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout. `place_layer(i,
-    tensors)`, if given, takes each block's tensors as soon as they are read (they are then left out): a lean
-    load packs each block before the next is read."""
+                       place_layer: Callable[[int, dict[str, Tensor]], None] | None = None,
+                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout, each cast to `dtype` as
+    it is read where given. `place_layer(i, tensors)`, if given, takes each block's tensors as soon as they are read
+    (they are then left out): a lean load packs each block before the next is read."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights")
@@ -70,7 +72,7 @@ def load_hf_state_dict(path: Path, cfg: ModelConfig,
     def take(name: str) -> Tensor:
         if name not in hf:
             raise ValueError(f"{path}: weight {name!r} is missing for a {cfg.arch} model")
-        return reader.read(hf.pop(name))
+        return reader.read(hf.pop(name), dtype)
 
     sd = {"tok_embeddings.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     if cfg.tie_embeddings:
@@ -200,7 +202,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
         if i not in plain_blocks:  # a plain block is packed with the rest, at the end
             pack_for_cpu(block, lean=True)
 
-    rest = load_hf_state_dict(path, cfg, place if lean else None)
+    rest = load_hf_state_dict(path, cfg, place if lean else None, dtype)
     model.load_state_dict(rest, assign=True, strict=not lean)
     if cfg.tie_embeddings:  # assign=True made two parameters; re-tie so the table exists (and casts) once
         model.output.weight = model.tok_embeddings.weight

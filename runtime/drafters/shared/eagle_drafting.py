@@ -24,7 +24,8 @@ from runtime.speculation.tree import DraftTree
 from runtime.target.attention import attention_mask, causal_mask, head_groups
 from runtime.target.cpu_packing import pack_for_cpu
 from runtime.target.kv_cache import KVCache
-from runtime.target.model import ForwardOutput, ModelConfig, NoCache, rope_tables
+from runtime.target.model import ForwardOutput, NoCache, rope_tables
+from runtime.target.model_config import ModelConfig
 
 
 class EagleBase(nn.Module):

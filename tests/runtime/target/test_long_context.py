@@ -9,7 +9,7 @@ from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.attention import BACKENDS, Causal, attention_mask, causal_mask
 from runtime.target.cpu_packing import Linear, prefill_products
 from runtime.target.loading import from_pretrained
-from runtime.target.model import context_error
+from runtime.target.model_config import context_error
 
 
 @pytest.mark.parametrize("prefix", [0, 9])

@@ -8,7 +8,8 @@ from runtime.target.attention import attention_mask
 from runtime.target.cpu_packing import Linear, onednn_packs, own_fp32_kernel, packed_min_fp32_rows
 from runtime.target.kv_cache import KVCache
 from runtime.target.loading import from_pretrained
-from runtime.target.model import ModelConfig, RMSNorm, Taps, Transformer
+from runtime.target.model import RMSNorm, Taps, Transformer
+from runtime.target.model_config import ModelConfig
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)
@@ -228,6 +229,8 @@ def test_loading_sharded_tied_and_bf16(tiny_model_dir, tiny_llama_dir, tmp_path)
         bf16 = from_pretrained(tmp_path, dtype=torch.bfloat16, max_seq_len=32)
         logits = bf16(ids, bf16.new_cache(), ids).logits
     assert bf16.rope_cos.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
+    fp32 = dict(sharded.named_parameters())  # each weight cast as it is read: the same bits as a cast after
+    assert all(torch.equal(p, fp32[name].bfloat16()) for name, p in bf16.named_parameters())
     # bf16 weights are prepacked only where oneDNN can (AVX-512 or AVX-NE-CONVERT); elsewhere the plain kernel runs
     assert {m.packed is not None for m in bf16.modules() if isinstance(m, Linear)} == {onednn_packs(torch.bfloat16)}
     assert (logits.float() - hf(ids).logits).abs().max() < 0.1

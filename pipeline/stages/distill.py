@@ -74,6 +74,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
     from runtime.drafters.ngram import load_corpus
     from runtime.drafters.shared.draft_head import frequent_token_ids
+    from runtime.host_memory import release_freed_memory
     from runtime.target.precision import use_bf16
     from train.batches import Batches
     from train.data import TokenizedSet, prompts_from
@@ -128,7 +129,11 @@ def run_distill(ctx: StageContext) -> StageResult:
         outputs["lookup_corpus"] = LOOKUP_CORPUS
     # measured exactly as the bundle reader will build it: from the saved config and tensors
     with torch.inference_mode():
-        drafter = served_drafter(config, drafter_module(config, target, tensors), target, tensors)
+        module = drafter_module(config, target, tensors)  # it holds the saved tensors: packed lean, they go
+        vocab = {k: v for k, v in tensors.items() if k == DRAFT_VOCAB}
+        del model, tensors
+        release_freed_memory()  # training's buffers, kept in the heap for its steps to reuse
+        drafter = served_drafter(config, module, target, vocab)
         probe = ctx.tau_probe(prompts_from(val, 4), 48)
         tau = probe.measure(target, drafter)
         if d.lookup:  # what serving's trees can reach when calibrate keeps the branch

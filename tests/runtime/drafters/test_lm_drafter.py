@@ -327,6 +327,30 @@ def test_an_lm_base_distilled_for_no_steps_ships_as_it_is(tmp_path, target_dir, 
     assert shipped.keys() == base.keys() and all(torch.equal(shipped[k], base[k]) for k in base)
 
 
+def test_distill_lets_the_trained_module_go_before_it_builds_the_served_drafter(tmp_path, target_dir,
+                                                                               self_distilled, monkeypatch):
+    """distill's tau runs the drafter as a bundle serves it, packed lean: the trained module beside it would hold
+    its plain weights a second time (2 GB for the 0.5B sibling in fp32)."""
+    import gc
+    import weakref
+
+    import runtime.drafters as drafters
+
+    trained, alive = [], []
+    tensors_of, serve = drafters.drafter_tensors, drafters.served_drafter
+    monkeypatch.setattr(drafters, "drafter_tensors", lambda m, keep: trained.append(weakref.ref(m)) or
+                        tensors_of(m, keep))
+
+    def served(*args, **kwargs):
+        gc.collect()
+        alive.append(trained[0]() is not None)
+        return serve(*args, **kwargs)
+
+    monkeypatch.setattr(drafters, "served_drafter", served)
+    _distilled(tmp_path, _lm_config(), target_dir, self_distilled)
+    assert alive == [False]
+
+
 def test_distill_holds_the_target_in_fp32_only_where_the_drafter_starts_from_its_weights(tmp_path, target_dir,
                                                                                         tiny_model_dir, monkeypatch):
     """A base LM only learns from the target, which distill then holds in the precision training runs in (half the

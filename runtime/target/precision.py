@@ -9,6 +9,8 @@ training uses bf16 there. Elsewhere bf16 on a CPU is emulated and slower than fp
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kernels.cpu_gemm import cpu_info
@@ -37,4 +39,7 @@ def use_bf16(precision: str, device: torch.device, training: bool = False) -> bo
     weights in prepare and validate."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    if precision == "bf16" and device.type == "cpu" and not bf16_is_fast(device, training=True):
+        warnings.warn("precision=bf16 on a CPU without AVX512_BF16 or AMX: its bf16 products are emulated, many "
+                      "times slower than fp32 (precision=auto picks fp32 here)", stacklevel=2)
     return precision == "bf16" or (precision == "auto" and bf16_is_fast(device, training))

@@ -1,6 +1,6 @@
-"""Run a `pipeline` command with the peak resident memory of each calibrate phase printed as it ends: the kernel's
-own high-water mark (VmHWM), reset as each phase starts, so a short spike is not missed as sampling would miss it.
-scripts/memory_timeline.py says when a peak falls; this says in which function.
+"""Run a `pipeline` command with the peak resident memory of each phase of its stage (calibrate or distill) printed
+as it ends: the kernel's own high-water mark (VmHWM), reset as each phase starts, so a short spike is not missed as
+sampling would miss it. scripts/memory_timeline.py says when a peak falls; this says in which function.
 
     python scripts/phase_memory.py run --config configs/qwen-coder-sibling-lora.yaml --run-id sib --stage calibrate
 """
@@ -11,7 +11,7 @@ import importlib
 import sys
 import time
 
-PHASES = [  # (module, owner class or None, function)
+PHASES = {"calibrate": [  # (module, owner class or None, function)
     ("pipeline.stages.context", "StageContext", "load_target"),
     ("export.calibrate.stage", None, "read_tensors"),
     ("export.calibrate.stage", None, "served_drafter"),
@@ -23,7 +23,17 @@ PHASES = [  # (module, owner class or None, function)
     ("export.calibrate.specattn_sweep", None, "sparse_nll"),
     ("export.calibrate.specattn_sweep", None, "measure_ceiling"),
     ("runtime.speculation.tau_probe", "TauProbe", "measure"),
-]
+], "distill": [
+    ("pipeline.stages.context", "StageContext", "load_target"),
+    ("pipeline.stages.distill", None, "build"),
+    ("train.recipes.lm", None, "build_lm_lora"),
+    ("train.trainer", None, "train"),
+    ("train.recipes.lm", None, "merge_lora"),
+    ("runtime.drafters", None, "drafter_tensors"),
+    ("runtime.drafters", None, "drafter_module"),
+    ("runtime.drafters", None, "served_drafter"),
+    ("runtime.speculation.tau_probe", "TauProbe", "measure"),
+]}
 
 
 def status_gb(field: str) -> float:
@@ -61,7 +71,8 @@ def measured(name: str, fn):
 
 
 def main() -> int:
-    for module, owner, name in PHASES:
+    stage = sys.argv[sys.argv.index("--stage") + 1] if "--stage" in sys.argv[:-1] else "calibrate"
+    for module, owner, name in PHASES.get(stage, []):
         holder = importlib.import_module(module)
         holder = getattr(holder, owner) if owner else holder
         setattr(holder, name, measured(f"{owner + '.' if owner else ''}{name}", getattr(holder, name)))

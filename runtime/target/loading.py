@@ -183,10 +183,11 @@ def llama_layer_config(cfg: ModelConfig, dtype: torch.dtype, n_layers: int = 1) 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                     device: torch.device | str = "cpu", lean: bool = False,
-                    plain_blocks: tuple[int, ...] = ()) -> Transformer:
-    """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels; `lean`:
-    for inference only, one copy of each weight (Transformer.pack_for_cpu) but in `plain_blocks`, which keep their
-    plain weights beside it (a drafter initialised from those blocks reads them)."""
+                    plain_blocks: tuple[int, ...] = (), packed: bool = True) -> Transformer:
+    """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels (not where
+    `packed` is False: a model to train, whose packed copies would go stale); `lean`: for inference only, one copy of
+    each weight (Transformer.pack_for_cpu) but in `plain_blocks`, which keep their plain weights beside it (a
+    drafter initialised from those blocks reads them)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
@@ -212,4 +213,5 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
     if lean:
         model.rope_cos, model.rope_sin = (t.to(device=device, dtype=dtype) for t in (model.rope_cos, model.rope_sin))
     plain = tuple(m for i in plain_blocks if lean for m in model.layers[i].modules())
-    return model.eval().requires_grad_(False).pack_for_cpu(lean, keep_plain=plain)
+    model.eval().requires_grad_(False)
+    return model.pack_for_cpu(lean, keep_plain=plain) if packed else model

@@ -47,13 +47,12 @@ def build_lm_lora(target: Transformer, base: str | Path, rank: int) -> nn.Module
     lm_head; only the adapters train. merge_lora() folds them back into a plain Transformer."""
     from peft import LoraConfig, get_peft_model
 
-    model = from_pretrained(base, dtype=torch.float32, max_seq_len=target.max_seq_len)  # trains in fp32
+    # trains in fp32, on the plain weights alone: packed copies (two of them in fp32) would go stale as it learns
+    model = from_pretrained(base, dtype=torch.float32, max_seq_len=target.max_seq_len, packed=False)
     if model.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"drafter.lm_base={str(base)!r} has vocab_size {model.config.vocab_size}, the target "
                          f"{target.config.vocab_size}: the drafter must share the target's tokenizer")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear) and m is not model.output}
-    for m in linears.values():
-        m.unpack()  # train on the plain weights: prepacked copies would go stale when the adapters merge
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                       target_modules=sorted({name.rsplit(".", 1)[-1] for name in linears}))
     return get_peft_model(model, lora).train()

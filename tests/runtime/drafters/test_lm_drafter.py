@@ -197,6 +197,8 @@ def test_lora_trains_only_adapters_and_merges(target, self_distilled, tiny_model
     model = lm_recipe.build_lm_lora(target, base_dir, rank=4)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # the plain weights alone: packed copies (two in fp32) would be gigabytes for a 0.5B, and stale once it learns
+    assert not any(m.packed is not None or m.panels is not None for m in model.modules() if isinstance(m, Packable))
     history = _train(model, lm_recipe.lm_kd_loss(target, "forward_kl"), self_distilled, 12, tmp_path / "ckpt", 1e-2)
     assert history[-1]["loss"] < history[0]["loss"]
     merged, base = lm_recipe.merge_lora(model), from_pretrained(base_dir, max_seq_len=256)

@@ -6,14 +6,23 @@ of fp32's at full speed, where torch's packed int4 product (`_weight_int4pack_mm
 (`_weight_int8pack_mm`) run slower than our fp32 kernel on a CPU at one row (docs/qwen.md, "QuantSpec: self-speculation").
 
 Weights: int8 per output channel, symmetric (scale = absmax(row) / 127); the input rows are quantised to uint8 per
-call over their own min and max (full 8-bit range), the product accumulated in int32, then scaled back to fp32.
+call over their own min and max, the product accumulated in int32, then scaled back to fp32. All 8 bits of the input
+only where the CPU has AVX512_VNNI: without it fbgemm sums pairs of products in int16 (vpmaddubsw), which saturates
+beyond 7-bit inputs (255 * 127 * 2 > 32767), so there the inputs keep 7 (reduce_range).
 """
 from __future__ import annotations
 
 import warnings
+from functools import lru_cache
 
 import torch
 from torch import Tensor
+
+
+@lru_cache(maxsize=None)
+def reduce_range() -> bool:
+    """Whether inputs are quantised to 7 bits: where fbgemm's int16 pair sums would saturate on 8."""
+    return not torch.cpu._is_vnni_supported()
 
 
 def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,15 +51,16 @@ def unpack(packed) -> tuple[Tensor, Tensor]:
 
 
 def linear(x: Tensor, packed) -> Tensor:
-    """x [..., K] fp32 -> [..., N]: x quantised to uint8 over its own range, times the packed int8 weight, + bias."""
+    """x [..., K] fp32 -> [..., N]: x quantised to uint8 over its own range (7 bits where reduce_range), times the
+    packed int8 weight, + bias."""
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), packed, False)  # False: all 8 bits of x
+    y = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), packed, reduce_range())
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def reference(x: Tensor, codes: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
     """The same product in plain torch: x through the same per-tensor uint8 quantisation, times the dequantised
     weight (equal to `linear` up to fp32 rounding)."""
-    xq = torch.quantize_per_tensor_dynamic(x.float().contiguous(), torch.quint8, False).dequantize()
+    xq = torch.quantize_per_tensor_dynamic(x.float().contiguous(), torch.quint8, reduce_range()).dequantize()
     y = xq @ (codes.float() * scales[:, None]).T
     return y if bias is None else y + bias.float()

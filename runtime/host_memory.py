@@ -5,7 +5,8 @@ so each new tensor that large page-faults all its pages in again, and distill ma
 step (docs/logs/cpu-2026-11.md, "Measurements moved out of docstrings (2026-11-28)"
 has what that cost). With mmap off and a high trim threshold, freed blocks stay in the heap and the next
 tensor reuses them already faulted in. Work whose large blocks do not repeat (a long row's, sliced) runs under
-returning_large_blocks instead, and a checkpoint is read into memory of its own (runtime.files.read_tensors), not mapped.
+returning_large_blocks instead, and a checkpoint is read into memory of its own (runtime.files.read_tensors), not
+mapped.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.cpu_packing import Packable
 from runtime.target.loading import from_pretrained
-from kernels import int4_gemm
+from kernels import dynamic_int8, int4_gemm
 from runtime.target.quantized_copy import SCHEMES, QuantizedLinear, default_scheme, quantized_copy
 
 VOCAB, MAX_LEN = 96, 256
@@ -70,7 +70,9 @@ def test_the_int8_copy_s_logits_are_near_the_target_s(target):
     tokens = torch.tensor([prompts(1)[0]])
     full = target.forward_uncached(tokens).logits
     draft = shared_copy(target, "int8").forward_uncached(tokens).logits
-    assert (draft - full).abs().max() < 0.1 * full.abs().max()
+    # inputs of 7 bits where the CPU lacks VNNI (dynamic_int8.reduce_range) take steps twice as coarse as 8 bits'
+    tolerance = 0.2 if dynamic_int8.reduce_range() else 0.1
+    assert (draft - full).abs().max() < tolerance * full.abs().max()
     assert (draft.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
 
 

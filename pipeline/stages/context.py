@@ -29,12 +29,13 @@ class StageContext:
         return self.store.stage_dir(stage)
 
     def load_target(self, max_seq_len: int | None = None, precision: str = "fp32", plain_blocks: tuple[int, ...] = (),
-                    *, min_seq_len: int = 0):
+                    *, min_seq_len: int = 0, blocks: tuple[int, ...] | None = None):
         """The target on the CPU with a cache of max_seq_len (default: 2048, or the model's context if shorter, or
         min_seq_len if longer);
         precision auto|fp32|bf16 (runtime.target.precision: auto is bf16 where bf16 is fast). Lean: one copy of each
         block weight, read and packed block by block (stages only run it forward), but in `plain_blocks`, whose
-        plain weights a drafter's initialisation copies."""
+        plain weights a drafter's initialisation copies. `blocks`: the blocks read (None: all), the others unread
+        (runtime.target.loading.from_pretrained)."""
         import torch
 
         from runtime.host_memory import release_freed_memory
@@ -46,7 +47,7 @@ class StageContext:
             max_seq_len = max(min_seq_len, min(2048, ModelConfig.from_dir(self.target_dir).max_position_embeddings))
         target = from_pretrained(self.target_dir, max_seq_len=max_seq_len,
                                  dtype=float_dtype(precision, torch.device("cpu")), lean=True,
-                                 plain_blocks=plain_blocks)
+                                 plain_blocks=plain_blocks, blocks=blocks)
         release_freed_memory()  # the load's buffers and the plain weights lean packing let go
         return target
 

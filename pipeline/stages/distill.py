@@ -39,22 +39,26 @@ def recipe_settings(ctx: StageContext):
 
 
 def build(ctx: StageContext, target, keep_ids):
-    """(recipe, untrained module, loss) of the configured kind; settings that do not fit the target are a config
-    error, in one line."""
+    """(recipe, untrained module, loss) of the configured kind, its random initial weights (LoRA's, a random init)
+    drawn from the run's seed; settings that do not fit the target are a config error, in one line."""
+    import torch
+
     from train.recipes import get_recipe
 
     recipe, settings, s = get_recipe(ctx.cfg.drafter.kind), recipe_settings(ctx), ctx.cfg.distill
+    torch.manual_seed(ctx.cfg.run.seed)  # not from whatever the process drew before
     try:
         return recipe, recipe.build(target, settings, s, keep_ids), recipe.loss(target, settings, s, keep_ids)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
 
-def distill_target(ctx: StageContext):
+def distill_target(ctx: StageContext, teacher: bool = False):
     """The target as distill holds it: fp32 where the drafter starts as part of the target and trains in its dtype
     (under bf16 autocast where distill.precision asks), else in bf16 where training runs in bf16 (a base LM only
     learns from it, and an AVX512_BF16 CPU trains in bf16 though it infers in fp32); lean but for the blocks the
-    recipe's initialisation copies."""
+    recipe's initialisation copies. `teacher`: training reads prepare's cached features, so only those blocks are
+    read, the rest left unread: training never runs them."""
     import torch
 
     from runtime.target.model_config import ModelConfig
@@ -64,7 +68,9 @@ def distill_target(ctx: StageContext):
     d, recipe = ctx.cfg.drafter, get_recipe(ctx.cfg.drafter.kind)
     n_layers = ModelConfig.from_dir(ctx.target_dir).n_layers
     teaches = not recipe.copies_target(d) and use_bf16(ctx.cfg.distill.precision, torch.device("cpu"), training=True)
-    return ctx.load_target(precision="bf16" if teaches else "fp32", plain_blocks=recipe.target_blocks(d, n_layers))
+    plain = recipe.target_blocks(d, n_layers)
+    return ctx.load_target(precision="bf16" if teaches else "fp32", plain_blocks=plain,
+                           blocks=plain if teacher else None)
 
 
 def run_distill(ctx: StageContext) -> StageResult:
@@ -75,6 +81,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     from runtime.drafters.ngram import load_corpus
     from runtime.drafters.shared.draft_head import frequent_token_ids
     from runtime.host_memory import release_freed_memory
+    from runtime.target.model_config import ModelConfig
     from runtime.target.precision import use_bf16
     from train.batches import Batches
     from train.data import TokenizedSet, prompts_from
@@ -88,8 +95,10 @@ def run_distill(ctx: StageContext) -> StageResult:
         (ctx.out / "drafter_config.json").write_text(json.dumps(kind.config(None, 0, d), indent=2) + "\n")
         return StageResult(outputs={"config": "drafter_config.json"}, message=f"{d.kind} drafter: nothing to train")
     prep = ctx.input("prepare")
-    target = distill_target(ctx)
     train_set = TokenizedSet.load(prep / "train.safetensors")
+    streams = kind.streams(d, ModelConfig.from_dir(ctx.target_dir).n_layers)
+    features = load_features(prep, "train", train_set.input_ids.numel(), streams)  # None: the target runs in training
+    target = distill_target(ctx, teacher=features is not None)
     source = warm_start_source(ctx.cfg)
     inherited = warm_start_bundle(ctx, source) if source is not None else None
     warm = warm_start_weights(inherited) if inherited is not None else {}
@@ -102,8 +111,6 @@ def run_distill(ctx: StageContext) -> StageResult:
     if source is not None:
         load_warm_start(ctx, source, model, target, warm)
     steps = s.warm_steps if source is not None else s.steps
-    streams = kind.streams(d, target.config.n_layers)
-    features = load_features(prep, "train", train_set.input_ids.numel(), streams)  # None: the target runs in training
     val = TokenizedSet.load(prep / "val.safetensors")
     result = {"step": 0, "metrics": {}, "seconds": 0.0}  # distill.steps 0: the drafter as built (an lm_base as it is)
     if steps:
@@ -127,11 +134,16 @@ def run_distill(ctx: StageContext) -> StageResult:
     corpus_tokens = write_lookup_corpus(ctx, target.config.vocab_size, inherited)
     if corpus_tokens:
         outputs["lookup_corpus"] = LOOKUP_CORPUS
+    del model, loss_fn  # the trained module: packed lean, the saved tensors are the drafter's one copy
+    if features is not None:  # the tau runs the target whole
+        del target
+        release_freed_memory()
+        target = distill_target(ctx)
     # measured exactly as the bundle reader will build it: from the saved config and tensors
     with torch.inference_mode():
         module = drafter_module(config, target, tensors)  # it holds the saved tensors: packed lean, they go
         vocab = {k: v for k, v in tensors.items() if k == DRAFT_VOCAB}
-        del model, tensors
+        del tensors
         release_freed_memory()  # training's buffers, kept in the heap for its steps to reuse
         drafter = served_drafter(config, module, target, vocab)
         probe = ctx.tau_probe(prompts_from(val, 4), 48)

@@ -3,7 +3,7 @@ for HF, for engines' drafter formats and for HF models built from ours (benchmar
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 from torch import Tensor
@@ -59,10 +59,11 @@ def _our_layer(cfg: ModelConfig, take) -> dict[str, Tensor]:
 
 def load_hf_state_dict(path: Path, cfg: ModelConfig,
                        place_layer: Callable[[int, dict[str, Tensor]], None] | None = None,
-                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+                       dtype: torch.dtype | None = None, blocks: Collection[int] | None = None) -> dict[str, Tensor]:
     """Read every *.safetensors shard and rename/fuse HF tensors into this module's layout, each cast to `dtype` as
     it is read where given. `place_layer(i, tensors)`, if given, takes each block's tensors as soon as they are read
-    (they are then left out): a lean load packs each block before the next is read."""
+    (they are then left out): a lean load packs each block before the next is read. `blocks`: the blocks to read
+    (None: all); the others are left unread."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights")
@@ -81,6 +82,9 @@ def load_hf_state_dict(path: Path, cfg: ModelConfig,
     else:
         sd["output.weight"] = take("lm_head.weight")
     for i in range(cfg.n_layers):
+        if blocks is not None and i not in blocks:
+            hf = {k: v for k, v in hf.items() if not k.startswith(f"layers.{i}.")}
+            continue
         layer = _our_layer(cfg, lambda name, i=i: take(f"layers.{i}.{name}"))
         if place_layer is not None:
             place_layer(i, layer)
@@ -183,12 +187,17 @@ def llama_layer_config(cfg: ModelConfig, dtype: torch.dtype, n_layers: int = 1) 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                     device: torch.device | str = "cpu", lean: bool = False,
-                    plain_blocks: tuple[int, ...] = (), packed: bool = True) -> Transformer:
+                    plain_blocks: tuple[int, ...] = (), packed: bool = True,
+                    blocks: Collection[int] | None = None) -> Transformer:
     """The target from an HF checkpoint directory, in `dtype` on `device`, packed for the CPU's kernels (not where
     `packed` is False: a model to train, whose packed copies would go stale); `lean`: for inference only, one copy of
     each weight (Transformer.pack_for_cpu) but in `plain_blocks`, which keep their plain weights beside it (a
-    drafter initialised from those blocks reads them)."""
+    drafter initialised from those blocks reads them). `blocks` (lean only): the blocks to read, None all; the
+    others stay unread on the meta device (a teacher whose features prepare cached reads its head alone), so that
+    running them forward fails."""
     path = Path(path)
+    if blocks is not None and not lean:
+        raise ValueError("from_pretrained: blocks= leaves blocks unread, which only a lean load allows")
     cfg = ModelConfig.from_dir(path)
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
     if max_seq_len > cfg.max_position_embeddings:
@@ -203,7 +212,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, max_se
         if i not in plain_blocks:  # a plain block is packed with the rest, at the end
             pack_for_cpu(block, lean=True)
 
-    rest = load_hf_state_dict(path, cfg, place if lean else None, dtype)
+    rest = load_hf_state_dict(path, cfg, place if lean else None, dtype, blocks)
     model.load_state_dict(rest, assign=True, strict=not lean)
     if cfg.tie_embeddings:  # assign=True made two parameters; re-tie so the table exists (and casts) once
         model.output.weight = model.tok_embeddings.weight

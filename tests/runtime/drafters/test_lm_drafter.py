@@ -35,6 +35,7 @@ from train.batches import Batches
 from train.losses import KD_DISTANCES
 from train.recipes import lm as lm_recipe
 from train.spec import TrainSpec
+from train.shards import save_features
 from train.trainer import train
 
 VOCAB = 96  # tests/conftest.py TINY
@@ -351,6 +352,57 @@ def test_distill_lets_the_trained_module_go_before_it_builds_the_served_drafter(
     monkeypatch.setattr(drafters, "served_drafter", served)
     _distilled(tmp_path, _lm_config(), target_dir, self_distilled)
     assert alive == [False]
+
+
+def test_distill_on_cached_features_reads_the_targets_blocks_only_for_its_tau(tmp_path, target_dir, target,
+                                                                             self_distilled, tiny_model_dir,
+                                                                             monkeypatch):
+    """With prepare's features cached, training reads nothing of the target but its head: distill leaves its blocks
+    unread (a teacher that cannot run them), loads it whole for the tau after training, and trains the very drafter
+    it trains with the blocks loaded."""
+    import pipeline.stages.distill as distill
+
+    base = str(tiny_model_dir("llama", tie_word_embeddings=True, num_hidden_layers=1))
+    cfg = _lm_config().model_copy(update={
+        "drafter": _lm_config().drafter.model_copy(update={"lm_base": base, "draft_vocab": 0})})
+    with torch.no_grad():
+        features = torch.cat([target(ids[None], target.new_cache(1, len(ids)), torch.arange(len(ids))[None],
+                                     no_logits=True).hidden[0] for ids in (self_distilled.row(i)[0]
+                                                                          for i in range(len(self_distilled)))])
+    loads, load = [], StageContext.load_target
+
+    def recorded(self, *args, **kwargs):
+        loaded = load(self, *args, **kwargs)
+        loads.append(any(not p.is_meta for p in loaded.layers.parameters()))
+        return loaded
+
+    monkeypatch.setattr(StageContext, "load_target", recorded)
+
+    def distilled(name: str) -> dict:
+        store = RunStore(tmp_path / name, "r1")
+
+        def prepare(ctx):
+            for split in ("train", "val"):
+                self_distilled.save(ctx.out / f"{split}.safetensors")
+                save_features(features, ctx.out, split)
+            return StageResult(outputs={"train": "train.safetensors", "val": "val.safetensors"})
+
+        run_stage_on(store, "prepare", cfg, target_dir, prepare)
+        rec = run_stage_on(store, "distill", cfg, target_dir, run_distill)
+        assert rec["status"] == "completed" and rec["metrics"]["offline_features"] == 1 and rec["metrics"]["tau"] > 1
+        return load_file(str(store.stage_dir("distill") / "drafter.safetensors"))
+
+    lean = distilled("lean")
+    assert loads == [False, True]  # training's teacher without its blocks, then the target whole for the tau
+    whole = distill.distill_target
+    monkeypatch.setattr(distill, "distill_target", lambda ctx, teacher=False: whole(ctx))
+    loads.clear()
+    trained_whole = distilled("whole")
+    assert loads == [True, True]
+    assert lean.keys() == trained_whole.keys() and all(torch.equal(lean[k], trained_whole[k]) for k in lean)
+    head_only = from_pretrained(target_dir, max_seq_len=64, lean=True, blocks=())
+    with pytest.raises(Exception):  # the unread blocks cannot run: nothing computes from weights that are not there
+        head_only(torch.tensor([[1, 2]]), head_only.new_cache(1, 2), torch.tensor([[0, 1]]))
 
 
 def test_distill_holds_the_target_in_fp32_only_where_the_drafter_starts_from_its_weights(tmp_path, target_dir,

@@ -80,7 +80,7 @@ def run_distill(ctx: StageContext) -> StageResult:
     from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
     from runtime.drafters.ngram import load_corpus
     from runtime.drafters.shared.draft_head import frequent_token_ids
-    from runtime.host_memory import release_freed_memory
+    from runtime.host_memory import release_freed_memory, returning_large_blocks
     from runtime.target.model_config import ModelConfig
     from runtime.target.precision import use_bf16
     from train.batches import Batches
@@ -135,17 +135,19 @@ def run_distill(ctx: StageContext) -> StageResult:
     if corpus_tokens:
         outputs["lookup_corpus"] = LOOKUP_CORPUS
     del model, loss_fn  # the trained module: packed lean, the saved tensors are the drafter's one copy
-    if features is not None:  # the tau runs the target whole
-        del target
-        release_freed_memory()
-        target = distill_target(ctx)
-    # measured exactly as the bundle reader will build it: from the saved config and tensors
+    if features is not None:
+        del target  # the teacher; the tau runs the target whole
+    # measured exactly as the bundle reader will build it: from the saved config and tensors; the load's and the
+    # packing's freed buffers handed back as they go (training kept them in the heap for its steps to reuse)
     with torch.inference_mode():
-        module = drafter_module(config, target, tensors)  # it holds the saved tensors: packed lean, they go
-        vocab = {k: v for k, v in tensors.items() if k == DRAFT_VOCAB}
-        del tensors
-        release_freed_memory()  # training's buffers, kept in the heap for its steps to reuse
-        drafter = served_drafter(config, module, target, vocab)
+        with returning_large_blocks():
+            if features is not None:
+                target = distill_target(ctx)
+            module = drafter_module(config, target, tensors)  # it holds the saved tensors: packed lean, they go
+            vocab = {k: v for k, v in tensors.items() if k == DRAFT_VOCAB}
+            del tensors
+            release_freed_memory()  # the saved tensors, allocated in training's heap
+            drafter = served_drafter(config, module, target, vocab)
         probe = ctx.tau_probe(prompts_from(val, 4), 48)
         tau = probe.measure(target, drafter)
         if d.lookup:  # what serving's trees can reach when calibrate keeps the branch

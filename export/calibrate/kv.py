@@ -16,32 +16,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from export.calibrate.specattn_sweep import QUERY_SLICE, hidden_nll, perplexity
+from export.calibrate.specattn_sweep import QUERY_SLICE, hidden_nll, perplexity, sliced_forward
 from export.calibrate.timing import interleaved_ms
 from runtime.bundle_reader import KV_QUANT, NO_KV_QUANT
 from runtime.host_memory import returning_large_blocks
 from runtime.speculation.drafter import Drafter
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.model import Transformer
-from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache, new_kv_cache
+from runtime.target.quant_kv_cache import KVQuant, new_kv_cache
 
 
 @torch.inference_mode()
 def quantized_nll(target: Transformer, ids: torch.Tensor, quant: KVQuant | None) -> torch.Tensor:
     """Next-token NLL [T-1] of one row with the KV history stored as `quant` says (None: full precision)."""
-    c, T = target.config, ids.numel()
-    cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, T, c.head_dim, quant, target.dtype, target.device)
-    hidden, start = [], 0
-    while start < T:
-        n = min(T - start, QUERY_SLICE)  # a slice's transients, not a long row's
-        if isinstance(cache, QuantizedKVCache):
-            n = min(n, cache.exact_depth() + 1)
-        chunk = ids[start:start + n].to(target.device)
-        hidden.append(target(chunk[None], cache, torch.arange(start, start + n, device=target.device)[None],
-                             no_logits=True).hidden)
-        cache.advance(n)
-        start += n
-    return hidden_nll(target, torch.cat(hidden, dim=1), ids.to(target.device))  # a long row's logits would not fit
+    c = target.config
+    cache = new_kv_cache(c.n_layers, 1, c.n_kv_heads, ids.numel(), c.head_dim, quant, target.dtype, target.device)
+    ids = ids.to(target.device)
+    return hidden_nll(target, sliced_forward(target, ids, cache=cache).hidden, ids)  # a long row's logits would not fit
 
 
 @torch.inference_mode()

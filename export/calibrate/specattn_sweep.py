@@ -31,7 +31,9 @@ from runtime.host_memory import release_freed_memory, returning_large_blocks
 from runtime.speculation.drafter import Drafter, DrafterKind
 from runtime.speculation.tau_probe import TauProbe
 from runtime.target.attention import SpecAttnConfig, kept_keys, kv_reads, query_slices
+from runtime.target.kv_cache import KVCache
 from runtime.target.model import ForwardOutput, Taps, Transformer
+from runtime.target.quant_kv_cache import QuantizedKVCache
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
 QUERY_SLICE = 512  # queries per forward of a long row: its transients, draft slice and masked scores follow it
@@ -80,15 +82,22 @@ def calibration_row(target: Transformer, kind: DrafterKind, model: nn.Module, id
     return CalibrationRow(ids, att_t, kind.draft_attention(model, out, ids).float(), nll)
 
 
-def sliced_forward(target: Transformer, ids: torch.Tensor, taps: Taps) -> ForwardOutput:
+def sliced_forward(target: Transformer, ids: torch.Tensor, taps: Taps = Taps(),
+                   cache: KVCache | QuantizedKVCache | None = None) -> ForwardOutput:
     """The target's forward over ids [T], QUERY_SLICE queries at a time over a growing cache: its hidden states
-    whole, its transients a slice's. `taps` without attention."""
-    T = ids.numel()
-    cache, parts = target.new_cache(1, T), []
-    for start in range(0, T, QUERY_SLICE):
-        end = min(start + QUERY_SLICE, T)
-        parts.append(target(ids[None, start:end], cache, torch.arange(start, end)[None], taps=taps, no_logits=True))
-        cache.advance(end - start)
+    whole, its transients a slice's. `taps` without attention. A quantised `cache` (default: full precision) also
+    bounds each slice by its exact depth, so every query reads the history as a one-token decode would."""
+    T, device = ids.numel(), target.device
+    ids, parts, start = ids.to(device), [], 0
+    cache = target.new_cache(1, T) if cache is None else cache
+    while start < T:
+        n = min(T - start, QUERY_SLICE)
+        if isinstance(cache, QuantizedKVCache):
+            n = min(n, cache.exact_depth() + 1)
+        parts.append(target(ids[None, start:start + n], cache, torch.arange(start, start + n, device=device)[None],
+                            taps=taps, no_logits=True))
+        cache.advance(n)
+        start += n
     return ForwardOutput(None, torch.cat([p.hidden for p in parts], 1),
                          {k: torch.cat([p.layer_hidden[k] for p in parts], 1) for k in parts[0].layer_hidden})
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from export.calibrate.budget_search import choose_budget
 from export.calibrate.kv import choose_kv_scheme, decode_ms, kv_message, quantized_nll
-from export.calibrate import kv as kv_calibration, specattn_sweep
+from export.calibrate import specattn_sweep
 from export.calibrate.layer_map import DENSE, LayerMap
 from export.calibrate.replay import ReplayTarget, reference, replay
 from export.calibrate.specattn_sweep import (calibration_row, choose_top_p, draft_selector, effective_keys,
@@ -495,7 +495,7 @@ def test_chunked_quantised_nll_reads_the_history_as_one_token_decoding_does(targ
     dense = quantized_nll(target, ids, None)
     full = target(ids[None], target.new_cache(1, 40), torch.arange(40)[None]).logits
     torch.testing.assert_close(dense, F.cross_entropy(full[0, :-1].float(), ids[1:], reduction="none"))
-    monkeypatch.setattr(kv_calibration, "QUERY_SLICE", 7)  # a long row's forwards: 7 queries at a time
+    monkeypatch.setattr(specattn_sweep, "QUERY_SLICE", 7)  # a long row's forwards: 7 queries at a time
     torch.testing.assert_close(quantized_nll(target, ids, None), dense, atol=1e-4, rtol=1e-5)
     errors = {}
     for scheme in ("int8", "int4"):

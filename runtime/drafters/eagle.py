@@ -7,15 +7,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from runtime.drafters.shared.draft_head import DraftHead
 from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_circuit, residual, speculators_config
 from runtime.speculation.drafter import EngineExport
 from runtime.target.cpu_packing import Linear
 from runtime.target.loading import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
-from runtime.target.model import Block, Transformer
+from runtime.target.model import Block, Embedding, Transformer
 from runtime.target.model_config import ModelConfig
 
 
@@ -28,8 +27,8 @@ class EagleConfig:
 
 
 class EagleModel(EagleBase):
-    def __init__(self, target_cfg: ModelConfig, embed_weight: Tensor, head: DraftHead, max_seq_len: int):
-        super().__init__(target_cfg, embed_weight, head, max_seq_len)
+    def __init__(self, target_cfg: ModelConfig, embedding: Embedding, head: DraftHead, max_seq_len: int):
+        super().__init__(target_cfg, embedding, head, max_seq_len)
         dim = self.cfg.dim
         self.fc = Linear(2 * dim, dim, bias=True)
         self.block = Block(self.cfg)
@@ -44,7 +43,7 @@ class EagleModel(EagleBase):
         The target's last block fed its own final-norm output instead of its residual stream returns values in
         the hundreds, which the training-time unroll would feed back into itself; from the identity the
         branches open gradually, and their inner weights keep the target's head start."""
-        m = EagleModel(target.config, target.tok_embeddings.weight, head, target.max_seq_len)
+        m = EagleModel(target.config, target.tok_embeddings, head, target.max_seq_len)
         last = {k: v for k, v in target.layers[-1].state_dict().items() if not k.startswith("attention_norm.")}
         m.block.load_state_dict(last)
         dim = target.config.dim
@@ -56,7 +55,7 @@ class EagleModel(EagleBase):
         return m.to(target.dtype)
 
     def step(self, tokens, features, positions, cache, slots, n_live, mask, want_weights=False, rows=None):
-        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        x = self.fc(torch.cat([self.embedding(tokens), features.to(self.fc.weight.dtype)], -1))
         b = self.block
         h, weights = b.attention(b.attention_norm(x), 0, cache, slots, n_live, mask, *self.rope(positions),
                                  want_weights, rows=rows)
@@ -80,7 +79,7 @@ class EagleKind(EagleFamily):
         return EagleConfig(draft_vocab).to_dict()
 
     def module(self, config, target, max_len, keep_ids):
-        return EagleModel(target.config, target.tok_embeddings.weight, DraftHead(target.output, keep_ids),
+        return EagleModel(target.config, target.tok_embeddings, DraftHead(target.output, keep_ids),
                           max_len)
 
     def engine_exports(self, module, verifier, speculative_tokens=5):

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.drafters.shared.draft_head import DraftHead
@@ -22,7 +21,7 @@ from runtime.drafters.shared.eagle_drafting import EagleBase, EagleFamily, open_
 from runtime.speculation.drafter import EngineExport
 from runtime.target.cpu_packing import Linear
 from runtime.target.loading import hf_layer_tensors, llama_layer_config, llama_layer_names, llama_layer_problem
-from runtime.target.model import Block, RMSNorm, Transformer
+from runtime.target.model import Block, Embedding, RMSNorm, Transformer
 from runtime.target.model_config import ModelConfig
 
 AUX = 3  # low, middle and high streams
@@ -72,9 +71,9 @@ class Eagle3Config:
 
 
 class Eagle3Model(EagleBase):
-    def __init__(self, target_cfg: ModelConfig, embed_weight: Tensor, head: DraftHead, layers: tuple[int, ...],
+    def __init__(self, target_cfg: ModelConfig, embedding: Embedding, head: DraftHead, layers: tuple[int, ...],
                  max_seq_len: int):
-        super().__init__(target_cfg, embed_weight, head, max_seq_len)
+        super().__init__(target_cfg, embedding, head, max_seq_len)
         c, dim = self.cfg, self.cfg.dim
         self.aux_layers, self.target_layers = layers, target_cfg.n_layers
         self.fc = Linear(AUX * dim, dim, bias=False)
@@ -89,7 +88,7 @@ class Eagle3Model(EagleBase):
         target's final norm and lm_head rows. Training opens the branches from there."""
         c = target.config
         head = DraftHead(target.output, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
-        m = Eagle3Model(c, target.tok_embeddings.weight, head, layers, target.max_seq_len)
+        m = Eagle3Model(c, target.tok_embeddings, head, layers, target.max_seq_len)
         last = target.layers[-1]
         with torch.no_grad():
             m.head.norm.weight.copy_(target.norm.weight)
@@ -112,7 +111,7 @@ class Eagle3Model(EagleBase):
         if g.shape[-1] == self.feature_dim:
             g = self.fc(g)
         b = self.block
-        x = torch.cat([b.attention_norm(F.embedding(tokens, self.embed_weight)), self.hidden_norm(g)], -1)
+        x = torch.cat([b.attention_norm(self.embedding(tokens)), self.hidden_norm(g)], -1)
         h, weights = b.attention(x, 0, cache, slots, n_live, mask, *self.rope(positions), want_weights, rows=rows)
         h = residual(g, rows) + h
         return h + b.feed_forward(b.ffn_norm(h)), weights
@@ -142,7 +141,7 @@ class Eagle3Kind(EagleFamily):
         c = target.config
         layers = Eagle3Config.from_dict(config, c.n_layers).aux_layers
         head = DraftHead(target.output, keep_ids, norm=RMSNorm(c.dim, c.norm_eps))
-        return Eagle3Model(c, target.tok_embeddings.weight, head, layers, max_len)
+        return Eagle3Model(c, target.tok_embeddings, head, layers, max_len)
 
     def engine_exports(self, module, verifier, speculative_tokens=5):
         speculators = speculators_config("eagle3", verifier, speculative_tokens)
@@ -166,7 +165,7 @@ class Eagle3Kind(EagleFamily):
              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
              "embed_requires_grad": False, "tie_word_embeddings": False, "dtype": hf_layer["torch_dtype"],
              "speculators_config": speculators},
-            shared | {"embed_tokens.weight": module.embed_weight.detach().clone()}
+            shared | {"embed_tokens.weight": module.embedding.table().clone()}
             | {f"layers.0.{k}": v.detach().clone() for k, v in layer.items()}, speculators_names)}
         biased = cfg.qkv_bias or cfg.mlp_bias
         out["sglang-eagle3"] = "SGLang's EAGLE-3 layer has no q/k/v or MLP biases" if biased else EngineExport(

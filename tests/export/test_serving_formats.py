@@ -79,7 +79,7 @@ def engine_forward(out_dir, embed: torch.Tensor, ids: torch.Tensor, feats: torch
 def test_speculators_forward_reproduces_the_runtime(target, tmp_path, biased):
     if biased:  # a fresh layer with q/k/v/o and MLP biases, so the bias paths are exported and checked too
         cfg = replace(target.config, qkv_bias=True, o_bias=True, mlp_bias=True)
-        model = reference_layout(EagleModel(cfg, target.tok_embeddings.weight, DraftHead(target.output.weight), 64))
+        model = reference_layout(EagleModel(cfg, target.tok_embeddings, DraftHead(target.output.weight), 64))
     else:
         model = reference_layout(build_eagle(target, None))
     write_speculators_eagle(model, tmp_path)
@@ -157,7 +157,7 @@ def test_drafters_the_engines_would_run_differently_are_refused(target, tmp_path
     with_norm.block.attention_norm = RMSNorm(target.config.dim, target.config.norm_eps)  # not what engines run
     with pytest.raises(ValueError, match="input_layernorm"):
         write_sglang_eagle(with_norm, tmp_path / "a")
-    embed, head = target.tok_embeddings.weight, DraftHead(target.output.weight)
+    embed, head = target.tok_embeddings, DraftHead(target.output.weight)
     for change, match in [({"qk_norm": True}, "no Llama equivalent"), ({"sliding_window": 8}, "no Llama"),
                           ({"qkv_bias": True}, "both or neither")]:
         model = reference_layout(EagleModel(replace(target.config, **change), embed, head, 64))

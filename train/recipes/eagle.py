@@ -115,7 +115,7 @@ def build_eagle(target: Transformer, keep_ids: Tensor | None, from_target: bool 
     if from_target:
         model = EagleModel.from_target(target, head)
     else:
-        model = EagleModel(target.config, target.tok_embeddings.weight, head, target.max_seq_len).to(target.dtype)
+        model = EagleModel(target.config, target.tok_embeddings, head, target.max_seq_len).to(target.dtype)
     return model.requires_grad_(True).train()
 
 

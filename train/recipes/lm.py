@@ -29,7 +29,8 @@ def build_lm(target: Transformer, layers: int, init: str) -> Transformer:
     if init == "target":
         model.load_state_dict({k: v for k, v in target.state_dict().items()
                                if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
-                              | {"output.weight": target.output.weight_rows()})  # a lean head keeps only panels
+                              | {"tok_embeddings.weight": target.tok_embeddings.table(),  # lean: read from the
+                                 "output.weight": target.output.weight_rows()})  # head's panels, its one copy
     elif init == "random":
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -77,7 +78,9 @@ def lm_kd_loss(target: Transformer, kind: str, keep_ids: Tensor | None = None,
     their gradients held at once were gigabytes."""
     if kind not in KD_DISTANCES:
         raise ValueError(f"distill.kd_loss={kind!r}: expected one of {sorted(KD_DISTANCES)}")
-    distance, target_head = KD_DISTANCES[kind], DraftHead(target.output, keep_ids)
+    # the whole head shared, not read back: a lean target's tied table lives only in its panels
+    target_head = DraftHead.whole(target.output) if keep_ids is None else DraftHead(target.output, keep_ids)
+    distance = KD_DISTANCES[kind]
 
     def chunk_loss(hidden: Tensor, features: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """The distance summed over these rows, and how many rows' argmaxes agree."""

@@ -24,7 +24,7 @@ from runtime.speculation.tree import DraftTree
 from runtime.target.attention import attention_mask, causal_mask, head_groups
 from runtime.target.cpu_packing import pack_for_cpu
 from runtime.target.kv_cache import KVCache
-from runtime.target.model import ForwardOutput, NoCache, rope_tables
+from runtime.target.model import Embedding, ForwardOutput, NoCache, rope_tables
 from runtime.target.model_config import ModelConfig
 
 
@@ -33,12 +33,12 @@ class EagleBase(nn.Module):
 
     aux_layers: tuple[int, ...] = ()  # the target layers whose entering residual streams it reads; (): final hidden
 
-    def __init__(self, target_cfg: ModelConfig, embed_weight: Tensor, head: DraftHead, max_seq_len: int):
+    def __init__(self, target_cfg: ModelConfig, embedding: Embedding, head: DraftHead, max_seq_len: int):
         super().__init__()
         self.cfg = replace(target_cfg, n_layers=1)
         self.head = head
-        # Frozen and shared with the target: never trained, never saved with the drafter.
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        # the target's, shared and frozen: not a submodule, so never trained, cast or saved with the drafter
+        object.__setattr__(self, "embedding", embedding)
         cos, sin = rope_tables(self.cfg, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -219,7 +219,7 @@ class EagleFamily(DrafterKind):
         return EagleStep(module)
 
     def onnx_example(self, module: EagleBase, batch, seq, generator):
-        return {"input_ids": torch.randint(0, module.embed_weight.shape[0], (batch, seq), generator=generator),
+        return {"input_ids": torch.randint(0, module.cfg.vocab_size, (batch, seq), generator=generator),
                 "features": torch.randn(batch, seq, module.feature_dim, generator=generator)}
 
     def draft_attention(self, module: EagleBase, target_out: ForwardOutput, ids: Tensor,

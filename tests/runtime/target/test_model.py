@@ -287,6 +287,31 @@ def test_a_lean_model_holds_one_copy_of_each_weight_and_computes_the_same(tiny_m
         linears[0](torch.randn(2, 64, requires_grad=True))
 
 
+@torch.no_grad()
+def test_a_lean_tied_model_keeps_its_table_once_in_the_head_panels(tiny_model_dir):
+    from runtime.drafters.eagle3 import Eagle3Model
+    from runtime.target import cpu_packing
+
+    if not torch.backends.mkldnn.is_available() or not cpu_packing.OWN_FP32_KERNEL:
+        pytest.skip("our fp32 kernel does not run on this CPU")
+    path = tiny_model_dir("qwen2", tie_word_embeddings=True)
+    full = from_pretrained(path, max_seq_len=64)
+    last = full.config.n_layers - 1  # plain beside the lean rest: a drafter starts from it
+    lean = from_pretrained(path, max_seq_len=64, lean=True, plain_blocks=(last,))
+    table = full.tok_embeddings.weight
+    assert lean.output.weight is lean.tok_embeddings.weight and lean.tok_embeddings.weight.is_meta  # still tied
+    assert not [p for p in lean.parameters() if not p.is_meta and p.shape == table.shape]  # no plain table left
+    ids = torch.randint(0, table.shape[0], (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(lean.tok_embeddings(ids), full.tok_embeddings(ids), rtol=0, atol=0)
+    torch.testing.assert_close(lean.tok_embeddings.table(), table, rtol=0, atol=0)
+    drafter = Eagle3Model.from_target(lean, None, (0, last, last))  # a drafter shares the table, read the same way
+    torch.testing.assert_close(drafter.embedding(ids), table[ids], rtol=0, atol=0)
+    for rows in (1, 5):
+        torch.testing.assert_close(lean(ids[:1, :rows], lean.new_cache(), torch.arange(rows)[None]).logits,
+                                   full(ids[:1, :rows], full.new_cache(), torch.arange(rows)[None]).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_fp32_products_are_prepacked_from_one_row_except_on_intel():
     assert packed_min_fp32_rows("GenuineIntel") == 4  # MKL wins for 1..3 rows there
     assert packed_min_fp32_rows("AuthenticAMD") == packed_min_fp32_rows("") == 1

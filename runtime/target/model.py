@@ -162,7 +162,7 @@ class Block(nn.Module):
 
 class Embedding(nn.Embedding):
     """The token table. Lean and tied to a head that our kernel's panels alone hold (Transformer.pack_for_cpu), it
-    reads its rows from those, exactly: the table then exists once, not twice (0.93 GB of 151,936 rows in fp32)."""
+    reads its rows from those, exactly: the table then exists once, not twice (docs/qwen.md has what it saves)."""
 
     rows_from: Callable[[Tensor | None], Tensor] | None = None  # Packable.weight_rows of that head
 

@@ -27,10 +27,11 @@ def build_lm(target: Transformer, layers: int, init: str) -> Transformer:
         raise ValueError(f"drafter.lm_layers={layers}: expected 1..{target.config.n_layers} (the target's depth)")
     model = Transformer(replace(target.config, n_layers=layers), target.max_seq_len)
     if init == "target":
+        table = target.tok_embeddings.table()  # lean: read from the head's panels, its one copy, once when tied
+        head = table if target.config.tie_embeddings else target.output.weight_rows()
         model.load_state_dict({k: v for k, v in target.state_dict().items()
                                if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
-                              | {"tok_embeddings.weight": target.tok_embeddings.table(),  # lean: read from the
-                                 "output.weight": target.output.weight_rows()})  # head's panels, its one copy
+                              | {"tok_embeddings.weight": table, "output.weight": head})
     elif init == "random":
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -25,6 +25,7 @@ from pipeline.runstore import RunStore
 from pipeline.serving.api_server import build_app
 from pipeline.stages.prepare import run_prepare
 from train.data import TokenizedSet, split_conversations
+from train.regenerate_endpoint import FLUSH_S
 from train.shards import done_keys, load_features
 
 MODEL, KEY = "teacher", "sk-regen"
@@ -49,8 +50,8 @@ class Faults:
     """What the server is told to do beside serving, and the first user turn of every request it answered."""
     def __init__(self):
         self.fail_after: int | None = None  # answer this many chat requests, then 503 every one
-        self.slow_after: int | None = None  # answer this many at once, then each after `delay_s`
-        self.delay_s = 0.0
+        self.hold_after: int | None = None  # answer this many, then hold each later one until let through
+        self.let_through = self.held = 0  # how many held requests may go on; how many were held
         self.throttle = 0  # refuse the next this many with 429
         self.answered: list[str] = []
         self.seen = self.in_flight = 0
@@ -82,8 +83,10 @@ def server(ending_target, tmp_path_factory):
         first_user = json.loads(await request.body())["messages"][0]["content"]
         faults.in_flight += 1
         try:
-            if faults.slow_after is not None and len(faults.answered) >= faults.slow_after:
-                await asyncio.sleep(faults.delay_s)
+            if faults.hold_after is not None and len(faults.answered) >= faults.hold_after:
+                ticket, faults.held = faults.held, faults.held + 1
+                while faults.hold_after is not None and ticket >= faults.let_through:
+                    await asyncio.sleep(0.02)
             response = await call_next(request)
         finally:
             faults.in_flight -= 1
@@ -203,22 +206,27 @@ def test_a_prepare_killed_mid_pass_resumes_from_what_it_wrote(tmp_path, server, 
     argv = [sys.executable, "-m", "pipeline.cli", "run", "--stage", "prepare", "--run-id", "r", *overrides]
     env = {**os.environ, "DRAFTSMITH_REGEN_API_KEY": KEY}
 
-    faults.slow_after, faults.delay_s, answered = len(faults.answered) + 4, 3.0, len(faults.answered)
+    # Held requests cannot finish, so the kill lands mid-pass however slow the host; one is let through per
+    # flush interval until a flush has written a conversation.
+    faults.hold_after, answered = len(faults.answered) + 4, len(faults.answered)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, work = time.monotonic() + 300, None
+    deadline, work, let_at = time.monotonic() + 300, None, time.monotonic()
     while proc.poll() is None and time.monotonic() < deadline:
         work = next((tmp_path / "runs/r").glob(".prepare-work-*"), None)
         if work is not None and (work / "train").is_dir() and done_keys(work / "train"):
             break
+        if faults.held > faults.let_through and time.monotonic() - let_at > FLUSH_S + 1:
+            faults.let_through, let_at = faults.let_through + 1, time.monotonic()
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL  # killed mid-pass, not finished
+    faults.hold_after = None  # the killed pass's held requests finish; settle waits for them
     faults.settle()
     done = done_keys(work / "train")
     assert 0 < len(done) < len(splits["train"]) and len(faults.answered) > answered
     kept = {c[-4]["content"] for i, c in enumerate(splits["train"]) if i in done}
 
-    faults.slow_after, first = None, len(faults.answered)
+    first = len(faults.answered)
     rerun = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
     resumed = Counter(faults.answered[first:])

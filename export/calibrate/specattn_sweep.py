@@ -50,8 +50,9 @@ class CalibrationRow:
     draft_attention: torch.Tensor | None
     dense_nll: torch.Tensor  # [T-1] -log p(x_{t+1} | x_0..x_t) of the dense target
     # a long row's draft attention, its heads averaged per target kv head, computed afresh each time a sweep reads
-    # it, `rows` queries at a time (DrafterKind.draft_attention_slices): whole, it would not fit (12.9 GB at 8k)
-    draft_slices: Callable[[int], Iterator[torch.Tensor]] | None = None
+    # it, `rows` queries at a time, of the layers asked (DrafterKind.draft_attention_slices): whole, it would not fit
+    # (12.9 GB at 8k)
+    draft_slices: Callable[[int, tuple[int, ...] | None], Iterator[torch.Tensor]] | None = None
 
     @property
     def draft_rows(self) -> torch.Tensor:
@@ -125,19 +126,19 @@ def fit_layer_map(rows: list[CalibrationRow], dense_first: int) -> tuple[torch.T
     return S, LayerMap.fit(S, dense_first=min(dense_first, S.shape[1] - 1))
 
 
-def draft_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:
-    """[Ld, H, rows, keys], `rows` queries at a time: query t's keys as the drafter's query that would propose
-    x_{t+1} ranks them, as the engine's verify does for its root."""
+def draft_selector(row: CalibrationRow, rows: int, layers: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """[len(layers), H, rows, keys], `rows` queries at a time: query t's keys as the drafter's query that would
+    propose x_{t+1} ranks them in each of the draft `layers`, as the engine's verify does for its root."""
     if row.draft_attention is None:  # map keeps no reference to a slice once it is handed on
-        return map(torch.Tensor.float, row.draft_slices(rows))
-    return query_slices(row.draft_attention, rows)
+        return map(torch.Tensor.float, row.draft_slices(rows, layers))
+    return query_slices(row.draft_attention[list(layers)], rows)
 
 
-def target_selector(row: CalibrationRow, rows: int) -> Iterator[torch.Tensor]:
-    """[Lt, H, rows, keys], `rows` queries at a time: each target layer's own attention, query t over keys 1..t
-    (key 0, a sink, is always read): the ranking a drafter that predicted every layer perfectly would give. Use
-    with the identity layer map."""
-    return query_slices(F.pad(row.target_attention, (1, 0, 1, 0)), rows)
+def target_selector(row: CalibrationRow, rows: int, layers: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """[len(layers), H, rows, keys], `rows` queries at a time: each target layer's own attention, query t over
+    keys 1..t (key 0, a sink, is always read): the ranking a drafter that predicted every layer perfectly would
+    give. Use with the identity layer map."""
+    return query_slices(F.pad(row.target_attention[list(layers)], (1, 0, 1, 0)), rows)
 
 
 def slice_keep(ranked: torch.Tensor, start: int, end: int, n_kv: int, sparse: SpecAttnConfig) -> torch.Tensor:
@@ -152,18 +153,20 @@ def slice_keep(ranked: torch.Tensor, start: int, end: int, n_kv: int, sparse: Sp
 
 @torch.inference_mode()
 def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
-               selector: Callable[[CalibrationRow, int], Iterator[torch.Tensor]] = draft_selector
+               selector: Callable[[CalibrationRow, int, tuple[int, ...]], Iterator[torch.Tensor]] = draft_selector
                ) -> tuple[torch.Tensor, int, int]:
     """Teacher-forced sparse target on one row -> (nll [T-1], KV reads, dense KV reads). Query t reads the keys
     `selector` ranks highest in the prefix 0..t-1 (see kept_keys); key t itself is the token being verified and
     always read. The row runs as forwards of QUERY_SLICE queries over a growing cache, each with its slice's kept
-    keys."""
+    keys, ranked by the draft layers the map reads alone (a sibling's map reads about half of them)."""
     T, n_kv = row.ids.numel(), target.config.n_kv_heads
     cache, hidden, reads, dense = target.new_cache(1, T), [], 0, 0
-    slices = selector(row, QUERY_SLICE)
+    layers = sparse.draft_layers()
+    slices, mapped = (selector(row, QUERY_SLICE, layers), sparse.over(layers)) if layers else (None, None)
     for start in range(0, T, QUERY_SLICE):
         end = min(start + QUERY_SLICE, T)
-        keep = sparse.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse))  # the slice let go here
+        keep = mapped.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse)) if layers \
+            else [None] * target.config.n_layers  # the slice let go here
         out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None], kv_keep=keep, no_logits=True)
         cache.advance(end - start)
         hidden.append(out.hidden)
@@ -184,7 +187,8 @@ def perplexity(nll: list[torch.Tensor]) -> float:
 
 
 def teacher_forced(target: Transformer, rows: list[CalibrationRow], sparse: SpecAttnConfig,
-                   selector: Callable[[CalibrationRow], torch.Tensor], dense_ppl: float) -> dict:
+                   selector: Callable[[CalibrationRow, int, tuple[int, ...]], Iterator[torch.Tensor]],
+                   dense_ppl: float) -> dict:
     """KV reads saved and perplexity over the rows, verifying sparsely with the keys `selector` ranks."""
     release_freed_memory()  # each measurement starts from what is live, not from the last one's freed buffers
     runs = [sparse_nll(target, r, sparse, selector) for r in rows]

@@ -180,10 +180,12 @@ class LMKind(DrafterKind):
     def draft_attention(self, module, target_out, ids, kv_heads=0):
         return next(self.draft_attention_slices(module, target_out, ids, kv_heads, ids.numel()))
 
-    def draft_attention_slices(self, module, target_out, ids, kv_heads, rows):
-        """Its own forward a slice of queries at a time over a growing cache: it reads the tokens alone."""
+    def draft_attention_slices(self, module, target_out, ids, kv_heads, rows, layers=None):
+        """Its own forward a slice of queries at a time over a growing cache (it reads the tokens alone), tapping
+        only `layers`: an untapped layer's attention is never materialised."""
         T = ids.numel()
-        taps = Taps(attention_layers=tuple(range(module.config.n_layers)), attention_groups=kv_heads)
+        layers = tuple(range(module.config.n_layers)) if layers is None else tuple(layers)
+        taps = Taps(attention_layers=layers, attention_groups=kv_heads)
         cache = module.new_cache(1, T)
         for start in range(0, T, rows):  # yielded from a call, so this frame keeps no slice while the caller reads
             yield attention_slice(module, ids, cache, start, min(start + rows, T), taps)

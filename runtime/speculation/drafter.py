@@ -162,10 +162,12 @@ class DrafterKind:
         raise self.unsupported("attention over the target's keys")
 
     def draft_attention_slices(self, module: nn.Module, target_out: ForwardOutput, ids: Tensor, kv_heads: int,
-                               rows: int) -> Iterator[Tensor]:
+                               rows: int, layers: tuple[int, ...] | None = None) -> Iterator[Tensor]:
         """draft_attention `rows` queries at a time, each slice over the keys up to its last query: a long row's in
-        bounded memory. The default slices the whole; a kind that can compute a slice alone holds one at a time."""
-        return query_slices(self.draft_attention(module, target_out, ids, kv_heads), rows)
+        bounded memory; only the draft `layers` (default all), in their order. The default slices the whole; a kind
+        that can compute a slice alone holds one at a time."""
+        attention = self.draft_attention(module, target_out, ids, kv_heads)
+        return query_slices(attention if layers is None else attention[list(layers)], rows)
 
     def engine_exports(self, module: nn.Module, verifier: dict,
                        speculative_tokens: int = 5) -> dict[str, EngineExport | str]:

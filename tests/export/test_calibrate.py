@@ -420,6 +420,35 @@ def test_an_lm_drafters_long_row_computes_its_attention_a_slice_at_a_time(target
     torch.testing.assert_close(long_nll, nll, atol=1e-4, rtol=1e-4)
 
 
+def test_the_sweep_taps_and_ranks_only_the_draft_layers_its_map_reads(target_dir, distilled, monkeypatch):
+    """A long row's draft attention is computed for the mapped draft layers alone (a sibling's map reads about half
+    of them), and each target layer's keys are still ranked by the draft layer it is mapped to."""
+    from dataclasses import replace
+
+    target = from_pretrained(target_dir, max_seq_len=64)
+    lm = lm_recipe.build_lm(target, 2, "target").eval()
+    kind, ids = get_kind("lm"), distilled[0].row(0)[0][:30]
+    full, long = (calibration_row(target, kind, lm, ids, target_attention=t) for t in (True, False))
+    tapped, lm_forward = [], lm.forward
+
+    def forward(*args, **kwargs):
+        tapped.append(kwargs["taps"].attention_layers)
+        return lm_forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", forward)
+    monkeypatch.setattr(specattn_sweep, "QUERY_SLICE", 7)
+    by_layer_1 = SpecAttnConfig((0, 1, 1, 1), 0.5, dense_first=1, sink=1, recent=2)  # layer 0 is dense: unread
+    assert by_layer_1.draft_layers() == (1,)
+    nll, reads, dense = sparse_nll(target, long, by_layer_1)
+    assert tapped == [(1,)] * 5
+    layer_1_alone = SpecAttnConfig((-1, 0, 0, 0), 0.5, dense_first=1, sink=1, recent=2)
+    ref_nll, ref_reads, _ = sparse_nll(target, replace(full, draft_attention=full.draft_attention[1:]), layer_1_alone)
+    assert reads == ref_reads < dense
+    torch.testing.assert_close(nll, ref_nll, atol=1e-4, rtol=1e-4)
+    other_nll, other_reads, _ = sparse_nll(target, full, layer_1_alone)  # ranked by layer 0 instead: other keys
+    assert other_reads != reads or not torch.allclose(other_nll, nll, atol=1e-4, rtol=1e-4)
+
+
 def test_a_long_rows_draft_slice_is_let_go_before_the_sparse_forward_reads_the_next(target_dir, distilled,
                                                                                      monkeypatch):
     """What bounds the sweep's memory at 4k tokens: neither the lm's slice generator nor sparse_nll holds a slice
@@ -442,8 +471,8 @@ def test_a_long_rows_draft_slice_is_let_go_before_the_sparse_forward_reads_the_n
         slices.append(weakref.ref(s))
         return s
 
-    def selector(row, rows):
-        return map(seen, draft_selector(row, rows))
+    def selector(row, rows, layers):
+        return map(seen, draft_selector(row, rows, layers))
 
     def forward(*args, **kwargs):
         live_at_forward.append(sum(r() is not None for r in taps + slices))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,16 @@ class SpecAttnConfig:
             raise ValueError(f"SpecAttn settings must be a JSON object with layer_map, top_p and optionally "
                              f"{sorted(names - {'layer_map', 'top_p'})}; got {text[:80]!r}")
         return SpecAttnConfig(**{**d, "layer_map": tuple(d["layer_map"])})
+
+    def draft_layers(self) -> tuple[int, ...]:
+        """The draft layers whose attention chooses some target layer's keys, ascending: the rest need not be read."""
+        return tuple(sorted({i for j, i in enumerate(self.layer_map) if j >= self.dense_first and i >= 0}))
+
+    def over(self, layers: tuple[int, ...]) -> SpecAttnConfig:
+        """These settings over a draft attention holding only `layers` (a superset of draft_layers), in that order."""
+        index = {i: k for k, i in enumerate(layers)}
+        return replace(self, layer_map=tuple(index[i] if j >= self.dense_first and i >= 0 else -1
+                                             for j, i in enumerate(self.layer_map)))
 
     def layer_keep(self, keep: Tensor) -> list[Tensor | None]:
         """kept_keys' [Ld, Hkv, R, S] -> per target layer the keep mask [1, Hkv, R, S] of the draft layer it is

@@ -114,6 +114,17 @@ def test_kept_keys_are_the_minimal_set_reaching_p_plus_the_always_kept(p):
     assert torch.equal(odd, averaged.expand(Ld, Hkv, R, P + n_new))
 
 
+def test_settings_over_the_draft_layers_they_read_give_each_target_layer_the_same_keys():
+    """SpecAttnConfig.over: the keep masks of only the draft layers the map reads, in their order, reach every
+    target layer as the masks of all the draft layers do."""
+    sparse = SpecAttnConfig((6, -1, 5, 3, 7, 5), 0.9, dense_first=1)  # draft layer 6 below dense_first: unread
+    assert sparse.draft_layers() == (3, 5, 7)
+    keep = torch.rand(8, 2, 3, 4) > 0.5
+    every, read = sparse.layer_keep(keep), sparse.over((3, 5, 7)).layer_keep(keep[[3, 5, 7]])
+    assert [k is None for k in read] == [k is None for k in every] == [True, True, False, False, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(every[2:], read[2:]))
+
+
 @pytest.mark.parametrize("heads", [4, 3])  # two per kv head; three that do not group onto 2
 def test_draft_heads_averaged_early_keep_the_same_keys(heads):
     """What lets a long calibration row keep its draft attention averaged per kv head (head_groups) as it is tapped."""

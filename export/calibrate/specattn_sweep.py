@@ -165,8 +165,8 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
     slices, mapped = (selector(row, QUERY_SLICE, layers), sparse.over(layers)) if layers else (None, None)
     for start in range(0, T, QUERY_SLICE):
         end = min(start + QUERY_SLICE, T)
-        keep = mapped.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse)) if layers \
-            else [None] * target.config.n_layers  # the slice let go here
+        keep = (mapped.layer_keep(slice_keep(next(slices), start, end, n_kv, sparse))  # the slice let go here
+                if layers else [None] * target.config.n_layers)
         out = target(row.ids[None, start:end], cache, torch.arange(start, end)[None], kv_keep=keep, no_logits=True)
         cache.advance(end - start)
         hidden.append(out.hidden)

@@ -47,15 +47,19 @@ class SpecAttnConfig:
                              f"{sorted(names - {'layer_map', 'top_p'})}; got {text[:80]!r}")
         return SpecAttnConfig(**{**d, "layer_map": tuple(d["layer_map"])})
 
+    def sparse_layers(self) -> dict[int, int]:
+        """Target layer -> the draft layer choosing its keys, for the target layers that verify sparsely."""
+        return {j: i for j, i in enumerate(self.layer_map) if j >= self.dense_first and i >= 0}
+
     def draft_layers(self) -> tuple[int, ...]:
         """The draft layers whose attention chooses some target layer's keys, ascending: the rest need not be read."""
-        return tuple(sorted({i for j, i in enumerate(self.layer_map) if j >= self.dense_first and i >= 0}))
+        return tuple(sorted(set(self.sparse_layers().values())))
 
     def over(self, layers: tuple[int, ...]) -> SpecAttnConfig:
         """These settings over a draft attention holding only `layers` (a superset of draft_layers), in that order."""
-        index = {i: k for k, i in enumerate(layers)}
-        return replace(self, layer_map=tuple(index[i] if j >= self.dense_first and i >= 0 else -1
-                                             for j, i in enumerate(self.layer_map)))
+        index, sparse = {i: k for k, i in enumerate(layers)}, self.sparse_layers()
+        return replace(self, layer_map=tuple(index[sparse[j]] if j in sparse else -1
+                                             for j in range(len(self.layer_map))))
 
     def layer_keep(self, keep: Tensor) -> list[Tensor | None]:
         """kept_keys' [Ld, Hkv, R, S] -> per target layer the keep mask [1, Hkv, R, S] of the draft layer it is
@@ -63,8 +67,9 @@ class SpecAttnConfig:
         if max(self.layer_map, default=-1) >= keep.shape[0]:
             raise ValueError(f"SpecAttnConfig: layer_map={self.layer_map} names a draft layer beyond the drafter's "
                              f"{keep.shape[0]}")
-        views = {i: keep[i][None] for i in set(self.layer_map) if i >= 0}  # one per draft layer, for backends to reuse
-        return [views[i] if j >= self.dense_first and i >= 0 else None for j, i in enumerate(self.layer_map)]
+        sparse = self.sparse_layers()
+        views = {i: keep[i][None] for i in set(sparse.values())}  # one per draft layer, for backends to reuse
+        return [views[sparse[j]] if j in sparse else None for j in range(len(self.layer_map))]
 
 
 def query_slices(attention: Tensor, rows: int) -> Iterator[Tensor]:

@@ -71,9 +71,6 @@ class LMDrafter(Drafter):
         self.pending: list[Tensor] = []  # committed tokens not yet in the cache; the last one is the root
         self.tree: tuple[Candidates, TreeSlots] | None = None  # the last proposal's nodes and their KV slots
         self.attention: Tensor | None = None  # [layers, heads, prefix] of the last propose, see draft_attention
-        self.taps = Taps(attention_layers=tuple(range(model.config.n_layers)))
-        # the root's forward reads the prompt too: its other rows' weights would be [layers, heads, T, T]
-        self.root_taps = replace(self.taps, attention_last_row=True)
 
     def reset(self, tokens: Tensor, features: Tensor | None = None) -> None:
         self.cache.reset()
@@ -104,7 +101,9 @@ class LMDrafter(Drafter):
         n = int(cache.lengths[0])
         positions = n + torch.arange(toks.numel(), device=lm.device)
         prefix = n + toks.numel() - 1  # the root's position: the target verifies it after keys 0..prefix-1
-        root_taps, taps = (self.root_taps, self.taps) if self.track_attention else (Taps(), Taps())
+        taps = self.attention_taps() if self.track_attention else Taps()
+        # the root's forward reads the prompt too: its other rows' weights would be [layers, heads, T, T]
+        root_taps = replace(taps, attention_last_row=True)
         out = lm(toks[None], cache, positions[None], taps=root_taps, no_logits=True)
         cache.advance(toks.numel())
         self.pending = []
@@ -127,8 +126,14 @@ class LMDrafter(Drafter):
         self.attention = weights
         return tree
 
+    def attention_taps(self) -> Taps:
+        """The layers whose attention propose gathers: attention_layers, or every layer."""
+        layers = self.attention_layers
+        return Taps(attention_layers=tuple(range(self.model.config.n_layers)) if layers is None else layers)
+
     def draft_attention(self) -> Tensor | None:
-        """Per layer and head, the sums of the root's and the expanded nodes' attention rows over the prefix."""
+        """Per gathered layer and head, the sums of the root's and the expanded nodes' attention rows over the
+        prefix."""
         return self.attention
 
 

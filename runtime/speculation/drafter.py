@@ -33,6 +33,9 @@ class Drafter(abc.ABC):
     feature_layers: tuple[int, ...] = ()
     # True: propose() also gathers draft_attention(); only SpecAttn verification reads it (the engine sets it)
     track_attention: bool = False
+    # the draft layers draft_attention() holds, in this order: the engine asks for those its layer map reads; a
+    # drafter that cannot leave layers out keeps None (every layer)
+    attention_layers: tuple[int, ...] | None = None
 
     @abc.abstractmethod
     def reset(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -54,7 +57,8 @@ class Drafter(abc.ABC):
 
     def draft_attention(self) -> torch.Tensor | None:
         """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as
-        non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix]; None
+        non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix] (those of
+        attention_layers where set); None
         after a commit or while track_attention is off. Drafters without attention return None (the default), and
         verification stays dense."""
         return None

@@ -29,7 +29,7 @@ from runtime.speculation.engine_config import EngineConfig
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
 from runtime.speculation.verify import verify
-from runtime.target.attention import kept_keys
+from runtime.target.attention import SpecAttnConfig, kept_keys
 from runtime.target.model import Taps, Transformer
 from runtime.target.model_config import context_error
 from runtime.target.quant_kv_cache import QuantizedKVCache, kv_cache_as
@@ -62,8 +62,7 @@ class Engine:
             c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
         if hasattr(drafter, "cache"):  # EAGLE and LM keep a KV cache of their own: same scheme, drafter reader
             drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
-        if drafter is not None:
-            drafter.track_attention = cfg.sparse is not None
+        self.sparse = self._track_attention(drafter, cfg.sparse)
         self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup, corpus=cfg.lookup_corpus) \
             if cfg.lookup and drafter is not None and not isinstance(drafter, NgramDrafter) else None
         # what the drafter reads of each target forward: the residual streams entering these layers, or () the
@@ -73,8 +72,8 @@ class Engine:
         self.static = None
         if cfg.static_verify:
             on_gpu = target.device.type == "cuda"
-            self.static = StaticVerifier(target, self.cache, use_graph=on_gpu, sparse=cfg.sparse, features=self.features,
-                                         compile=cfg.compile_static)
+            self.static = StaticVerifier(target, self.cache, use_graph=on_gpu, sparse=self.sparse,
+                                         features=self.features, compile=cfg.compile_static)
             if drafter is not None:
                 drafter.use_static(use_graph=on_gpu, compile=cfg.compile_static)
 
@@ -134,7 +133,7 @@ class Engine:
             n_live = n_cached + tokens.shape[1]
             # SpecAttn: the draft layers' kept keys, over the whole static cache for a static step
             keep = self._kept_keys(n_cached, cache.max_len if self.static is not None else n_live) \
-                if cfg.sparse is not None and len(tree) else None
+                if self.sparse is not None and len(tree) else None
             layers = self._layer_keep(keep if keep is None else keep[..., :n_live])  # per target layer, live keys
             tree_mask = inputs[2:].bool() if len(tree) else None
             if self.static is not None:
@@ -176,10 +175,22 @@ class Engine:
         out = out[: max_new_tokens if first_stop is None else min(first_stop + 1, max_new_tokens)]
         return Generation(out, stats.metrics(n, len(out), prefill_s, clock.total()))
 
+    @staticmethod
+    def _track_attention(drafter: Drafter | None, sparse: SpecAttnConfig | None) -> SpecAttnConfig | None:
+        """Have the drafter gather the attention of the draft layers SpecAttn's map reads, and return the settings
+        over what it gathers (None: dense verification, as where the map reads no draft layer)."""
+        layers = () if sparse is None else sparse.draft_layers()
+        if drafter is not None:
+            drafter.track_attention = bool(layers)
+            drafter.attention_layers = layers or None
+        if not layers:
+            return None
+        return sparse if drafter.attention_layers is None else sparse.over(drafter.attention_layers)
+
     def _kept_keys(self, prefix: int, n_keys: int) -> torch.Tensor:
         """Per draft layer, the keys [Ld, Hkv, 1, n_keys] this verify reads (SpecAttn): keys at or beyond the
         committed `prefix` (this verify's own) are all kept."""
-        sparse = self.cfg.sparse
+        sparse = self.sparse
         attention = self.drafter.draft_attention()
         if attention is None or attention.shape[-1] != prefix:
             got = None if attention is None else tuple(attention.shape)
@@ -190,7 +201,7 @@ class Engine:
 
     def _layer_keep(self, keep: torch.Tensor | None) -> list[torch.Tensor | None] | None:
         """Per target layer, the keys [1, Hkv, 1, S] it reads; None: every layer dense."""
-        layers = None if keep is None else self.cfg.sparse.layer_keep(keep)
+        layers = None if keep is None else self.sparse.layer_keep(keep)
         return None if layers is None or all(k is None for k in layers) else layers
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:

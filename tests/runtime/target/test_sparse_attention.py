@@ -147,7 +147,7 @@ def test_attention_taps_averaged_per_kv_head_are_the_plain_taps_averaged(target)
 
 
 def test_taps_of_the_last_row_are_the_last_row_of_every_rows_taps(target):
-    """A drafter's root forward after a long prompt reads only its last row's weights (lm.LMDrafter.root_taps)."""
+    """A drafter's root forward after a long prompt reads only its last row's weights (LMDrafter.propose, root_taps)."""
     ids = torch.randint(0, 96, (1, 18), generator=torch.Generator().manual_seed(8))
     layers = tuple(range(target.config.n_layers))
     for cached in (0, 11):  # the whole prompt at once, and its tail after a cached prefix
@@ -245,6 +245,31 @@ def test_engine_sparse_verification_with_an_lm_drafter(target):
     assert full.tokens == dense.tokens and full.metrics.kv_saved == 0.0
     sparse = generate(SpecAttnConfig((-1, -1, 2, 3), top_p=0.5, sink=1, recent=2))
     assert 0 < sparse.metrics.kv_saved < 0.5  # two of four layers stay dense
+
+
+class EveryLayerDrafter(LMDrafter):
+    """An lm drafter that gathers every layer's attention whatever the engine asks (as before it could choose)."""
+    attention_layers = property(lambda self: None, lambda self, layers: None)
+
+
+def test_engine_has_an_lm_drafter_gather_only_the_layers_its_map_reads(target):
+    """A map reading draft layers 1 and 3 of four: the drafter's forwards tap those two alone, and verification
+    reads the same keys as with every layer gathered."""
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    lm = lm_recipe.build_lm(target, N_LAYERS, "target").eval()
+    sparse = SpecAttnConfig((-1, -1, 3, 1), top_p=0.5, sink=1, recent=2)
+    config = EngineConfig(max_seq_len=128, budget=DraftBudget(depth=3, width=2, nodes=5), sparse=sparse)
+    tapped = set()
+    forward = lm.forward
+    lm.forward = lambda *args, taps=Taps(), **kw: tapped.add(taps.attention_layers) or forward(*args, taps=taps, **kw)
+
+    def generate(kind):
+        tapped.clear()
+        return Engine(target, kind(lm, 128), config).generate(prompt, 16, SamplingParams()), set(tapped)
+
+    (chosen, chosen_taps), (every, every_taps) = generate(LMDrafter), generate(EveryLayerDrafter)
+    assert chosen_taps == {(1, 3)} and every_taps == {(0, 1, 2, 3)}
+    assert chosen.tokens == every.tokens and chosen.metrics.kv_saved == every.metrics.kv_saved > 0
 
 
 def test_engine_sparse_verification(target, eagle):

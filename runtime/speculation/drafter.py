@@ -58,9 +58,8 @@ class Drafter(abc.ABC):
     def draft_attention(self) -> torch.Tensor | None:
         """SpecAttn: how the last propose()'s root and tree queries attended to the committed prefix, as
         non-negative weights over the target's key positions 0..prefix-1, [draft layers, heads, prefix] (those of
-        attention_layers where set); None
-        after a commit or while track_attention is off. Drafters without attention return None (the default), and
-        verification stays dense."""
+        attention_layers where set); None after a commit or while track_attention is off. Drafters without attention
+        return None (the default), and verification stays dense."""
         return None
 
     def batched(self, rows: int) -> "BatchDrafter | None":

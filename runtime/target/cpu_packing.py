@@ -34,9 +34,12 @@ OWN_FP32_KERNEL = own_fp32_kernel(cpu_gemm.cpu_info("vendor_id"))
 # Our kernel serves products of up to this many rows (every decode, verify and short prefill), so a verify of up to
 # 255 draft nodes equals decoding bit for bit; oneDNN is faster on longer prefills.
 OWN_MAX_ROWS = 256
-# oneDNN's prepacked bf16 product gives each row its one-row result only up to 32 rows: a verify of more rows goes
-# in 32-row slices, or greedy speculation would drift from plain decoding
+# oneDNN's prepacked bf16 product sums a row in one order from 5 to 32 rows and in others below and above (on an AMX
+# host, K=8960): a decode's and a verify's rows agree bit for bit only if every product outside a prefill has
+# PACKED_MIN_ROWS to PACKED_EXACT_ROWS rows: fewer are padded with zero rows, more go in slices, or greedy speculation
+# drifts from plain decoding. 8 padded rows cost no more than one (docs/qwen.md, "bf16 verification made lossless")
 PACKED_EXACT_ROWS = 32
+PACKED_MIN_ROWS = 8
 # inside prefill_products: our kernel's fp32 products up to this many rows, oneDNN's from there, which wins on a
 # prefill's hundreds of rows (docs/logs/cpu-2026-11.md,
 # "Long prompts: maskless causal prefill in chunks (2026-11-28)")
@@ -124,9 +127,9 @@ class Packable:
         prepacked = self.packed is not None and inference and (lean or not torch.compiler.is_compiling())
         if prepacked and x.dtype == self.packed.dtype \
                 and (x.dtype != torch.float32 or lean or x.numel() >= PACKED_MIN_FP32_ROWS * x.shape[-1]):
-            if x.dtype == torch.bfloat16 and x.numel() > PACKED_EXACT_ROWS * x.shape[-1] and not prefill:
-                rows = x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)
-                return torch.cat([self._packed(r, bias) for r in rows]).view(*x.shape[:-1], -1)
+            if x.dtype == torch.bfloat16 and not prefill:
+                parts = [self._packed_padded(r, bias) for r in x.reshape(-1, x.shape[-1]).split(PACKED_EXACT_ROWS)]
+                return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], -1)
             return self._packed(x, bias)
         if lean:
             raise RuntimeError(f"a lean Linear (packed weights only) cannot take a {x.dtype} input on {x.device} with "
@@ -135,6 +138,13 @@ class Packable:
 
     def _packed(self, x: Tensor, bias: Tensor | None) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def _packed_padded(self, rows: Tensor, bias: Tensor | None) -> Tensor:
+        """rows [M, K] of at most PACKED_EXACT_ROWS, each summed as in a product of PACKED_MIN_ROWS or more."""
+        m = rows.shape[0]
+        if m >= PACKED_MIN_ROWS:
+            return self._packed(rows, bias)
+        return self._packed(F.pad(rows, (0, 0, 0, PACKED_MIN_ROWS - m)), bias)[:m]
 
 
 class Linear(nn.Linear, Packable):

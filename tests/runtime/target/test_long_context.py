@@ -93,8 +93,8 @@ def test_prefill_refuses_a_prompt_beyond_the_cache_before_any_forward(tiny_llama
 
 
 def test_prefill_products_take_the_fastest_kernel_and_verify_products_stay_exact(monkeypatch):
-    """Outside a prefill a bf16 product of more than 32 rows goes in 32-row slices (each row its one-row result);
-    inside it goes whole. fp32 on our kernel: up to 256 rows outside, up to 64 inside."""
+    """Outside a prefill a bf16 product goes in slices of 8 to 32 rows, a shorter one padded (each row its one-row
+    result); inside it goes whole. fp32 on our kernel: up to 256 rows outside, up to 64 inside."""
     calls = []
     monkeypatch.setattr(Linear, "_packed", lambda self, x, bias: calls.append(x.shape[-2] if x.dim() > 1 else 1)
                         or torch.nn.functional.linear(x, self.weight, bias))
@@ -102,14 +102,14 @@ def test_prefill_products_take_the_fastest_kernel_and_verify_products_stay_exact
     linear.packed = torch.empty(0, dtype=torch.bfloat16)  # stands in for oneDNN's prepacked copy
     x = torch.randn(70, 8, dtype=torch.bfloat16)
     linear(x)
-    assert calls == [32, 32, 6]
+    assert calls == [32, 32, 8]
     calls.clear()
     with prefill_products():
         linear(x)
     assert calls == [70]
     calls.clear()
     linear(x)
-    assert calls == [32, 32, 6]  # the context is left as it was found
+    assert calls == [32, 32, 8]  # the context is left as it was found
 
     from kernels import cpu_gemm
     if not cpu_gemm.available():

@@ -337,17 +337,21 @@ def test_few_fp32_rows_take_the_plain_kernel_and_more_the_prepacked_one(monkeypa
 
 
 @torch.no_grad()
-def test_prepacked_bf16_products_give_every_row_its_one_row_result():
-    """A tree verify of more than 32 rows must compute each row exactly as a one-token decode would (greedy
-    speculation stays lossless); oneDNN's bf16 kernel alone does so only up to 32 rows."""
+@pytest.mark.parametrize("k,n", [(576, 576), (8960, 1536)], ids=["smollm2-square", "qwen-1.5b-down"])
+def test_prepacked_bf16_products_give_every_row_its_one_row_result(k, n):
+    """A tree verify must compute each row exactly as a one-token decode would (greedy speculation stays lossless).
+    oneDNN's bf16 kernel alone sums a row differently below 5 rows than from 5 to 32 (the 1.5B's down projection on
+    an AMX host) and above 32."""
     if not onednn_packs(torch.bfloat16):
         pytest.skip("oneDNN cannot prepack bf16 weights on this CPU")
     torch.manual_seed(0)
-    linear = Linear(576, 576, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linear = Linear(k, n, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linear.weight.normal_(0, 0.02)
     linear.pack()
-    x = torch.randn(1, 70, 576, dtype=torch.bfloat16)
+    x = torch.randn(1, 70, k, dtype=torch.bfloat16)
     one_row = torch.cat([linear(x[:, i:i + 1]) for i in range(70)], dim=1)
-    assert torch.equal(linear(x), one_row)
+    for rows in (4, 5, 9, 32, 70):
+        assert torch.equal(linear(x[:, :rows]), one_row[:, :rows]), rows
 
 
 def test_rms_norm_under_autocast_takes_the_fused_kernel_with_the_mixed_result():

@@ -57,6 +57,8 @@ def packed_head(model: Transformer, keep_ids: Tensor | None) -> DraftHead:
 
 
 class LMDrafter(Drafter):
+    owns_cache = True  # False: its cache is the target's (read_target_cache), which propose never advances
+
     def __init__(self, model: Transformer, max_len: int, keep_ids: Tensor | None = None):
         """`model` runs inference only from here on: its weights are prepacked for CPU decoding in place, lean (one
         copy each). `keep_ids`: a reduced draft vocabulary; the LM's own lm_head rows restricted to it score the
@@ -105,9 +107,10 @@ class LMDrafter(Drafter):
         # the root's forward reads the prompt too: its other rows' weights would be [layers, heads, T, T]
         root_taps = replace(taps, attention_last_row=True)
         out = lm(toks[None], cache, positions[None], taps=root_taps, no_logits=True)
-        cache.advance(toks.numel())
+        if self.owns_cache:
+            cache.advance(toks.numel())
         self.pending = []
-        slots = TreeSlots(prefix_len=int(cache.lengths[0]), root_position=prefix, device=lm.device)
+        slots = TreeSlots(prefix_len=prefix + 1, root_position=prefix, device=lm.device)
         # every layer's root row and, below, expanded nodes' rows over the prefix keys (slot s = target key s)
         weights = torch.stack([out.attention[i][0, :, -1, :prefix] for i in taps.attention_layers]) \
             if taps.attention_layers else None

@@ -3,16 +3,14 @@ kernel runs, else int8); nothing is trained.
 
 The copy (runtime.target.quantized_copy.quantized_copy) is made from the target in memory when the drafter is built,
 deterministically, so a bundle stores only the scheme, never weights: the target fingerprint it pins fixes them.
-All drafters of one target and scheme share the copy (a batch's rows, a served engine's rebuilds); each keeps its
-own KV cache.
+All drafters of one target and scheme share the copy (a batch's rows, a served engine's rebuilds).
 
-Drafting is the LM drafter's (runtime.drafters.lm.LMDrafter) over the copy: its cache holds the committed tokens,
-the tokens committed since the last proposal run first, then the tree grows within the budget (calibrate picks it).
-The KV scheme is the engine's, as for every drafter with a cache: with calibrate's "hier-int4" the draft reads the
-upper int4 plane of its history and the target both planes (runtime.target.quant_kv_cache).
-
-Why a KV cache of its own rather than reading the target's: the Drafter interface gives a drafter no access to the
-engine's cache, and at the contexts a CPU serves, the draft's own cache costs one int8 prefill of the prompt.
+Drafting is the LM drafter's (runtime.drafters.lm.LMDrafter) over the copy, reading the target's own KV cache, as
+QuantSpec does: the engine hands it over (read_target_cache), so the prompt and every accepted token are already
+there, written by the target's prefill and verify, and each propose runs the root and then grows the tree within the
+budget (calibrate picks it) in slots past the committed length, which the verify overwrites. With calibrate's
+"hier-int4" KV the draft reads the upper int4 plane of that history, the target both planes
+(runtime.target.quant_kv_cache).
 """
 from __future__ import annotations
 
@@ -27,7 +25,9 @@ from runtime.speculation.draft_budget import DraftBudget
 from runtime.speculation.drafter import DrafterKind
 from runtime.speculation.sampling import SamplingParams
 from runtime.speculation.tree import DraftTree
-from runtime.target.model import Taps, Transformer
+from runtime.target.attention import draft_attention_dtype
+from runtime.target.model import Transformer
+from runtime.target.quant_kv_cache import reading_as
 from runtime.target.quantized_copy import SCHEMES, QuantizedTransformer, default_scheme, quantized_copy
 
 KV_READER = "draft"  # a hierarchical int4 KV history is read through its upper plane
@@ -46,21 +46,36 @@ def shared_copy(target: Transformer, scheme: str) -> QuantizedTransformer:
 
 
 class QuantSpecDrafter(LMDrafter):
-    def __init__(self, draft: QuantizedTransformer, max_len: int):
+    owns_cache = False
+
+    def __init__(self, draft: QuantizedTransformer):
         """`draft`: the target's quantised copy; it scores drafts with its own quantised head over the full
-        vocabulary."""
+        vocabulary. It has no KV cache until an engine gives it the target's (read_target_cache)."""
         self.model, self.head, self.vocab = draft, draft.output, None
         self.vocab_size = draft.config.vocab_size
-        # the target's room for a tree (EngineConfig.max_seq_len) bounds the draft's slots: no room past its length
-        self.cache = draft.new_cache(1, min(max_len, draft.max_seq_len))
+        self.cache = None
         self.pending: list[Tensor] = []
         self.tree = None
         self.attention = None
-        self.taps = Taps(attention_layers=tuple(range(draft.config.n_layers)))
+
+    def read_target_cache(self, cache) -> bool:
+        self.cache = cache
+        return True
+
+    def reset(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        """The target's cache holds the prompt: only the root is the draft's to run."""
+        self.pending, self.tree, self.attention = [tokens[-1:].long()], None, None
+
+    def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        """The verify left the accepted tokens' KV in the target's cache: only the new root is the draft's."""
+        self.pending, self.tree, self.attention = [tokens[-1:].long()], None, None
 
     def propose(self, budget: DraftBudget, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
-        with threads(DRAFT_THREADS):
+        if self.cache is None:
+            raise ValueError("a quantspec drafter reads the target's KV cache: drive it through an engine "
+                             "(Engine, BatchEngine), which hands it over")
+        with threads(DRAFT_THREADS), reading_as(self.cache, KV_READER), draft_attention_dtype():
             return super().propose(budget, params, generator)
 
 
@@ -103,7 +118,7 @@ class QuantSpecKind(DrafterKind):
 
     def drafter(self, module, config, target, max_len, keep_ids):
         check_config(config)
-        return QuantSpecDrafter(shared_copy(target, weight_scheme(config)), max_len)
+        return QuantSpecDrafter(shared_copy(target, weight_scheme(config)))
 
 
 KIND = QuantSpecKind()

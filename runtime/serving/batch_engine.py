@@ -105,6 +105,8 @@ class BatchEngine:
         longest = max([b.tree.max_nodes + b.lookup for b in budgets], default=0)
         self.cache = KVCache(c.n_layers, max_batch, c.n_kv_heads, cfg.max_seq_len + longest + 1, c.head_dim,
                              target.dtype, target.device)
+        if self.drafter is not None:
+            self.drafter.read_target_cache(self.cache.row)
         self.features = self.drafter.feature_layers if self.drafter is not None and self.drafter.needs_features else ()
         self.taps = Taps.entering(self.features)
         # a step of one row verifies at static shapes (a CUDA graph on a GPU) as Engine does; a batch eagerly

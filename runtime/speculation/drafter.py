@@ -3,7 +3,7 @@ stages need to know about one kind of drafter (runtime/drafters holds one module
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,6 +50,13 @@ class Drafter(abc.ABC):
     def commit(self, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
         """Append newly committed tokens [m] and their features [m, H] (or None)."""
 
+    def read_target_cache(self, cache: Any) -> bool:
+        """Read the committed sequence's KV from the target's own cache (`cache`: one sequence, committed up to the
+        root) instead of a cache of one's own, where this drafter can: True if it does from now on. Such a drafter
+        writes only past the cache's length (the verify then overwrites those slots) and never advances or compacts
+        it. The default keeps its own (False)."""
+        return False
+
     def use_static(self, use_graph: bool, compile: bool = False) -> None:
         """EngineConfig.static_verify: draft at static shapes too, as CUDA graphs where `use_graph` (each step fused
         by torch.compile first where `compile`), where this drafter can (EAGLE's greedy trees); the default keeps
@@ -93,6 +100,10 @@ class BatchDrafter(abc.ABC):
     @abc.abstractmethod
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence becomes row dst's; row src is left free."""
+
+    def read_target_cache(self, row_cache: Callable[[int], Any]) -> None:
+        """Drafter.read_target_cache for each row's drafter that can: `row_cache(r)` is the target's cache of row r.
+        The default keeps every row's own."""
 
 
 @dataclass(frozen=True)

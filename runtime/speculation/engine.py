@@ -60,7 +60,8 @@ class Engine:
         quant, c = cfg.kv_quant, target.config
         self.cache = target.new_cache(batch=1, max_len=cfg.max_seq_len) if quant is None else QuantizedKVCache(
             c.n_layers, 1, c.n_kv_heads, cfg.max_seq_len, c.head_dim, quant, target.dtype, target.device)
-        if hasattr(drafter, "cache"):  # EAGLE and LM keep a KV cache of their own: same scheme, drafter reader
+        shares = drafter is not None and drafter.read_target_cache(self.cache)  # quantspec reads the target's KV
+        if hasattr(drafter, "cache") and not shares:  # EAGLE and LM keep their own: same scheme, drafter reader
             drafter.cache = kv_cache_as(drafter.cache, quant and replace(quant, reader="draft"))
         self.sparse = self._track_attention(drafter, cfg.sparse)
         self.lookup = NgramDrafter(vocab, max_depth=cfg.lookup, corpus=cfg.lookup_corpus) \

@@ -30,8 +30,9 @@ have.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -192,6 +193,21 @@ class QuantizedKVCache:
         new.v[:, :, :, :n] = old.v[:, :, :, shift:shift + n]
         new.lengths.copy_(old.lengths - shift)
         self.window = new
+
+
+@contextlib.contextmanager
+def reading_as(cache: KVCache | QuantizedKVCache, reader: str):
+    """Inside, `cache`'s history is read as `reader` reads it (a drafter sharing the target's cache reads the upper
+    plane of a hierarchical one); a full-precision cache reads the same for everyone."""
+    quant = getattr(cache, "quant", None)
+    if quant is None:
+        yield
+        return
+    cache.quant = replace(quant, reader=reader)
+    try:
+        yield
+    finally:
+        cache.quant = quant
 
 
 def new_kv_cache(n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, quant: KVQuant | None,

@@ -7,6 +7,7 @@ drives; a row's trees are what its kind's Drafter would propose for that sequenc
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ class PerRowDrafters(BatchDrafter):
                  prepare: Callable[[Drafter], None] = lambda d: None):
         self.new_drafter, self.prepare = new_drafter, prepare
         self.drafters: list[Drafter | None] = [first] + [None] * (rows - 1)
+        self.row_cache: Callable[[int], Any] | None = None  # read_target_cache's
         if first is not None:
             prepare(first)
         probe = first or self._at(0)
@@ -33,7 +35,18 @@ class PerRowDrafters(BatchDrafter):
         if self.drafters[row] is None:
             self.drafters[row] = self.new_drafter()
             self.prepare(self.drafters[row])
+            self._bind(row)
         return self.drafters[row]
+
+    def _bind(self, row: int) -> None:
+        """Row's drafter reads the target's cache of that row, where it can and the engine offers it."""
+        if self.row_cache is not None and self.drafters[row] is not None:
+            self.drafters[row].read_target_cache(self.row_cache(row))
+
+    def read_target_cache(self, row_cache: Callable[[int], Any]) -> None:
+        self.row_cache = row_cache
+        for row in range(len(self.drafters)):
+            self._bind(row)
 
     def reset(self, row: int, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
         self._at(row).reset(tokens, features)
@@ -48,6 +61,8 @@ class PerRowDrafters(BatchDrafter):
 
     def move(self, src: int, dst: int) -> None:
         self.drafters[dst], self.drafters[src] = self.drafters[src], self.drafters[dst]
+        self._bind(dst)  # the engine moved the row's cache too
+        self._bind(src)
 
 
 def batch_drafter(new_drafter: Callable[[], Drafter], rows: int, static: tuple[bool, bool] | None = None,

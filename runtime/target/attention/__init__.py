@@ -7,7 +7,8 @@ only SpecAttn's kept keys; "flashinfer" (CUDA) registers where the package is in
 import importlib.util
 
 from runtime.target.attention.base import (AUTO_ORDER, BACKEND_ENV, BACKENDS, AttentionBackend, attention_weights,
-                                    exact_dtype, last_query_row, pick_backend, register_backend)
+                                    draft_attention_dtype, exact_dtype, last_query_row, pick_backend,
+                                    register_backend)
 from runtime.target.attention.masks import Causal, Mask, attention_mask, causal_mask, dense_mask
 from runtime.target.attention.sdpa import SdpaBackend
 from runtime.target.attention.specattn import SpecAttnConfig, head_groups, kept_keys, kv_reads, query_slices
@@ -21,5 +22,6 @@ if importlib.util.find_spec("flashinfer") is not None:  # found without importin
     register_backend(FlashInferBackend())
 
 __all__ = ["AUTO_ORDER", "BACKEND_ENV", "BACKENDS", "AttentionBackend", "Causal", "Mask", "SpecAttnConfig",
-           "attention_mask", "attention_weights", "causal_mask", "dense_mask", "exact_dtype", "head_groups", "kept_keys",
-           "kv_reads", "last_query_row", "pick_backend", "query_slices", "register_backend"]
+           "attention_mask", "attention_weights", "causal_mask", "dense_mask", "draft_attention_dtype", "exact_dtype",
+           "head_groups", "kept_keys", "kv_reads", "last_query_row", "pick_backend", "query_slices",
+           "register_backend"]

@@ -12,8 +12,10 @@ variable DRAFTSMITH_ATTENTION_BACKEND names one.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import os
+import threading
 from typing import ClassVar
 
 import torch
@@ -74,6 +76,21 @@ def grouped(q: Tensor, keys: Tensor, mask: Mask, keep: Tensor | None) -> tuple[T
     return q.reshape(B, -1, G * T, D), None if mask is None else mask.repeat(1, 1, G, 1)
 
 
+_drafting = threading.local()  # per thread: a draft proposing in one thread leaves another's verify exact
+
+
+@contextlib.contextmanager
+def draft_attention_dtype():
+    """Inside, attention computes in its inputs' own dtype, as in a prefill: a draft's forwards, whose results no
+    decode is compared with, skip exact_dtype's fp64 (most of a draft step at a few thousand tokens of context)."""
+    before = getattr(_drafting, "on", False)
+    _drafting.on = True
+    try:
+        yield
+    finally:
+        _drafting.on = before
+
+
 def exact_dtype(q: Tensor, mask: Mask = None) -> torch.dtype:
     """The dtype attention computes in. bf16/fp16 CPU inference computes in fp64: SDPA's fp32 result for a query
     depends on how many queries and keys the call has (its blocking), and rounded to bf16 those last-bit
@@ -81,7 +98,7 @@ def exact_dtype(q: Tensor, mask: Mask = None) -> torch.dtype:
     greedy speculation is not lossless. In fp64 they agree bit for bit after rounding (every other op of a
     forward, the matmuls included, computes a row the same way whatever the batch). A Causal mask is a prefill's,
     whose rows no decode is compared with: it computes in q's own dtype, as the model's reference does."""
-    if isinstance(mask, Causal):
+    if isinstance(mask, Causal) or getattr(_drafting, "on", False):
         return q.dtype
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled():
         return torch.float64

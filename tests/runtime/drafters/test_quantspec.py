@@ -13,10 +13,14 @@ from runtime.drafters import build_drafter, get_kind
 from runtime.drafters.quantspec import QuantSpecDrafter, shared_copy
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
+from runtime.speculation.sampling import SamplingParams
+from runtime.target import quant_kv_cache
+from runtime.target.attention import exact_dtype
 from runtime.target.cpu_packing import Packable
+from kernels.kv_quant import dequant_upper
 from runtime.target.loading import from_pretrained
 from kernels import dynamic_int8, int4_gemm
-from runtime.target.quantized_copy import SCHEMES, QuantizedLinear, default_scheme, quantized_copy
+from runtime.target.quantized_copy import SCHEMES, QuantizedLinear, QuantizedTransformer, default_scheme, quantized_copy
 
 VOCAB, MAX_LEN = 96, 256
 KIND = get_kind("quantspec")
@@ -109,6 +113,39 @@ def test_speculation_with_it_is_plain_greedy_decoding(target, budget, kv, scheme
     # the copy agrees with its target on most tokens (int8) or many (int4, on this tiny random model); a drafter
     # that never agreed would give 1
     assert sum(taus) / len(taus) > (2.0 if scheme == "int8" else 1.5)
+
+
+def test_it_drafts_over_the_target_s_cache_and_never_runs_the_prompt(target, monkeypatch):
+    """The prompt and the accepted tokens are in the target's cache already: each draft forward runs the root or the
+    tree's nodes, at positions past the prompt; over a hierarchical int4 history it reads the upper plane. Its
+    attention computes in its inputs' dtype, not exact_dtype's fp64 for bf16 (nothing compares a draft's bits)."""
+    drafter = KIND.drafter(None, KIND.config(None, 0, SimpleNamespace(quant_weights="int8")), target, MAX_LEN, None)
+    seen, forward = [], QuantizedTransformer.forward
+
+    def recorded(self, tokens, cache, positions, *args, **kwargs):
+        seen.append((tokens.shape[1], int(positions.min()), exact_dtype(torch.zeros(1, dtype=torch.bfloat16))))
+        return forward(self, tokens, cache, positions, *args, **kwargs)
+
+    monkeypatch.setattr(QuantizedTransformer, "forward", recorded)
+    upper = []
+    monkeypatch.setattr(quant_kv_cache, "dequant_upper", lambda *planes: upper.append(1) or dequant_upper(*planes))
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    fields = ServedBudget.parse("4x1").engine_fields()
+    for kv in ({}, {"kv_scheme": "hier-int4", "kv_recent": 8}):
+        spec = Engine(target, drafter, EngineConfig(max_seq_len=MAX_LEN, speed_check=False, **fields, **kv))
+        assert drafter.cache is spec.cache
+        seen.clear()
+        out = spec.generate(prompt, 24)
+        assert out.tokens == Engine(target, None, EngineConfig(max_seq_len=MAX_LEN, **kv)).generate(prompt, 24).tokens
+        assert seen and max(t for t, _, _ in seen) <= 4 and min(p for _, p, _ in seen) >= len(prompt)
+        assert {dtype for _, _, dtype in seen} == {torch.bfloat16}
+        # it agrees with its target on most tokens over exact KV, on this tiny random model less over the upper int4
+        # plane; a drafter that never agreed would give 1
+        assert out.metrics.tau > (1.5 if kv else 3.0)
+    assert upper and spec.cache.quant.reader == "target"  # the draft's reads, and the target's reader after them
+    with pytest.raises(ValueError, match="reads the target's KV cache: drive it through an engine"):
+        KIND.drafter(None, KIND.config(None, 0, None), target, MAX_LEN, None).propose(
+            ServedBudget.parse("4x1").tree, SamplingParams())
 
 
 def test_a_bundle_holds_the_scheme_and_no_weights_and_serves(tmp_path, target, target_dir):

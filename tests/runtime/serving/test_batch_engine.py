@@ -11,6 +11,7 @@ from runtime.drafters.eagle3 import Eagle3Model, aux_layers
 from runtime.drafters.lm import LMDrafter
 from runtime.drafters.medusa import MedusaDrafter
 from runtime.drafters.ngram import NgramDrafter
+from runtime.drafters.quantspec import QuantSpecDrafter, shared_copy
 from runtime.drafters.shared.eagle_drafting import EagleDrafter
 from runtime.serving.batch_engine import BatchEngine, BatchRequest
 from runtime.serving.budget_tuner import batch_sizes, measure_policy
@@ -61,6 +62,8 @@ def drafter_factory(kind: str, target: Transformer):
     if kind == "medusa":
         heads = perturbed(build_medusa(target, num_heads=3, keep_ids=None))
         return lambda: MedusaDrafter(heads)
+    if kind == "quantspec":
+        return lambda: QuantSpecDrafter(shared_copy(target, "int8"))
     model = perturbed(build_lm(target, layers=1, init="target"))
     return lambda: LMDrafter(model, 128)
 
@@ -97,10 +100,36 @@ def rows_equal_batch1(target, new_drafter, fields: dict, batched: bool) -> None:
 
 @pytest.mark.parametrize("kind,fields", [
     ("ngram", {}), ("eagle", {"lookup": 4}), ("eagle", {"static_verify": True}), ("medusa", {}), ("lm", {"lookup": 3}),
-], ids=["ngram", "eagle-batched-lookup", "eagle-per-row-static", "medusa", "lm-lookup"])
+    ("quantspec", {}),
+], ids=["ngram", "eagle-batched-lookup", "eagle-per-row-static", "medusa", "lm-lookup", "quantspec"])
 def test_every_row_equals_its_batch1_greedy_decode(target, kind, fields):
     rows_equal_batch1(target, drafter_factory(kind, target), fields,
                       batched=kind == "eagle" and not fields.get("static_verify"))
+
+
+def test_quantspec_rows_draft_over_their_own_row_of_the_target_cache_as_rows_move(target):
+    """Each row's draft reads the target's cache of its row, also after a finished row's neighbours moved down; a
+    draft reading another row's, or an emptied one, would agree with the target far less often."""
+    new_drafter = drafter_factory("quantspec", target)
+    cfg = EngineConfig(max_seq_len=100, budget=DraftBudget(4), speed_check=False)
+    engine = BatchEngine(target, new_drafter, cfg, max_batch=3)
+    lengths = (6, 60, 60)  # the first row ends early, the other two move down and go on
+    for i, n in enumerate(lengths):
+        engine.submit(BatchRequest(i, PROMPTS[i], n))
+    done, moved, keys = {}, False, []
+    while engine.busy:
+        done.update(engine.step())
+        before, keys = keys, [r and r.request.key for r in engine.rows]
+        moved |= any(k is not None and k in before and before.index(k) != b for b, k in enumerate(keys))
+        for b, row in enumerate(engine.rows):
+            if row is not None:
+                assert engine.drafter.drafters[b].cache.k.data_ptr() == engine.cache.row(b).k.data_ptr()
+    assert moved
+    alone = Engine(target, new_drafter(), cfg)
+    for i, n in enumerate(lengths):
+        single = alone.generate(PROMPTS[i], n)
+        assert done[i].tokens == single.tokens
+        assert done[i].metrics.tau >= single.metrics.tau - 0.5, i
 
 
 def test_rows_accepting_paths_off_their_first_nodes_keep_only_those(peaked):

@@ -17,6 +17,7 @@
 namespace {
 
 constexpr int NR = 16;  // output columns per panel: one 16-lane vector
+constexpr int64_t AHEAD = 8192;  // bytes of the panel stream prefetched ahead into L2
 constexpr int MR = 6;   // rows of x per tile: 6 x 2 accumulators + codes, nibbles and scales well inside 32 registers
 
 // y rows [R] for one panel: `stream` the panel's groups, xq rows at stride K (int8), sums [R, groups] (int32)
@@ -34,6 +35,7 @@ inline void tile(const int8_t* xq, const int32_t* sums, const float* xs, const u
     for (int m = 0; m < R; ++m) dot[m] = _mm512_setzero_si512();
     const int8_t* xg = xq + g * G;
     for (int64_t b = 0; b < blocks; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(stream) + b * 64 + AHEAD, _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(stream + b * 64);
       const __m512i lo = _mm512_and_si512(v, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);

@@ -37,7 +37,8 @@ OWN_MAX_ROWS = 256
 # oneDNN's prepacked bf16 product sums a row in one order from 5 to 32 rows and in others below and above (on an AMX
 # host, K=8960): a decode's and a verify's rows agree bit for bit only if every product outside a prefill has
 # PACKED_MIN_ROWS to PACKED_EXACT_ROWS rows: fewer are padded with zero rows, more go in slices, or greedy speculation
-# drifts from plain decoding. 8 padded rows cost no more than one (docs/qwen.md, "bf16 verification made lossless")
+# drifts from plain decoding. 8 padded rows cost no more than one
+# (docs/qwen.md, "QuantSpec over the target's KV cache, and lossless bf16 (Intel host, 2026-12-06, night)")
 PACKED_EXACT_ROWS = 32
 PACKED_MIN_ROWS = 8
 # inside prefill_products: our kernel's fp32 products up to this many rows, oneDNN's from there, which wins on a

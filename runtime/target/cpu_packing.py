@@ -6,8 +6,6 @@ measured in docs/logs/cpu-2026-11.md, "`pipeline bench` on CPU".
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from functools import lru_cache
 
 import torch
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import cpu_gemm
+from runtime.target.thread_flag import ThreadFlag
 
 
 def packed_min_fp32_rows(cpu_vendor: str) -> int:
@@ -45,19 +44,13 @@ PACKED_MIN_ROWS = 8
 # prefill's hundreds of rows (docs/logs/cpu-2026-11.md,
 # "Long prompts: maskless causal prefill in chunks (2026-11-28)")
 PREFILL_OWN_MAX_ROWS = 64
-_prefill = threading.local()  # per thread: an engine prefilling in one thread leaves another's verify exact
+_prefill = ThreadFlag()  # per thread: an engine prefilling in one thread leaves another's verify exact
 
 
-@contextlib.contextmanager
 def prefill_products():
     """Products inside take the fastest kernel for their row count, whether or not a row then equals its one-row
     product: a prefill's rows are never compared with a decode's, only a verify's are."""
-    before = getattr(_prefill, "on", False)
-    _prefill.on = True
-    try:
-        yield
-    finally:
-        _prefill.on = before
+    return _prefill.raised()
 
 
 class Packable:
@@ -118,7 +111,7 @@ class Packable:
         # neither fast path has a backward: they serve only forwards no gradient flows through
         inference = x.device.type == "cpu" and not (torch.is_grad_enabled()
                                                     and (x.requires_grad or self.weight.requires_grad))
-        prefill = getattr(_prefill, "on", False)
+        prefill = _prefill.on
         own_rows = PREFILL_OWN_MAX_ROWS if prefill else OWN_MAX_ROWS
         lean = self.weight.is_meta  # no plain weight: the one packed copy takes every product
         if self.own_fp32 and inference and x.dtype == torch.float32 and (lean or x.numel() <= own_rows * x.shape[-1]):

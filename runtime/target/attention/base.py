@@ -12,16 +12,15 @@ variable DRAFTSMITH_ATTENTION_BACKEND names one.
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
 import os
-import threading
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from runtime.target.attention.masks import Causal, Mask, dense_mask
+from runtime.target.thread_flag import ThreadFlag
 
 BACKEND_ENV = "DRAFTSMITH_ATTENTION_BACKEND"
 # fastest first, as measured (docs/gpu.md, "Current figures"); flashinfer and triton_sparse run only when named
@@ -76,19 +75,13 @@ def grouped(q: Tensor, keys: Tensor, mask: Mask, keep: Tensor | None) -> tuple[T
     return q.reshape(B, -1, G * T, D), None if mask is None else mask.repeat(1, 1, G, 1)
 
 
-_drafting = threading.local()  # per thread: a draft proposing in one thread leaves another's verify exact
+_drafting = ThreadFlag()  # per thread: a draft proposing in one thread leaves another's verify exact
 
 
-@contextlib.contextmanager
 def draft_attention_dtype():
     """Inside, attention computes in its inputs' own dtype, as in a prefill: a draft's forwards, whose results no
     decode is compared with, skip exact_dtype's fp64 (most of a draft step at a few thousand tokens of context)."""
-    before = getattr(_drafting, "on", False)
-    _drafting.on = True
-    try:
-        yield
-    finally:
-        _drafting.on = before
+    return _drafting.raised()
 
 
 def exact_dtype(q: Tensor, mask: Mask = None) -> torch.dtype:
@@ -98,7 +91,7 @@ def exact_dtype(q: Tensor, mask: Mask = None) -> torch.dtype:
     greedy speculation is not lossless. In fp64 they agree bit for bit after rounding (every other op of a
     forward, the matmuls included, computes a row the same way whatever the batch). A Causal mask is a prefill's,
     whose rows no decode is compared with: it computes in q's own dtype, as the model's reference does."""
-    if isinstance(mask, Causal) or getattr(_drafting, "on", False):
+    if isinstance(mask, Causal) or _drafting.on:
         return q.dtype
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled():
         return torch.float64

@@ -67,8 +67,9 @@ class QuantSpecDrafter(LMDrafter):
         self.pending, self.tree, self.attention = [tokens[-1:].long()], None, None
 
     def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
-        """The verify left the accepted tokens' KV in the target's cache: only the new root is the draft's."""
-        self.pending, self.tree, self.attention = [tokens[-1:].long()], None, None
+        """The verify left the accepted tokens' KV in the target's cache: only the new root is the draft's, as after
+        reset."""
+        self.reset(tokens)
 
     def propose(self, budget: DraftBudget, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:

@@ -89,8 +89,9 @@ def exact_dtype(q: Tensor, mask: Mask = None) -> torch.dtype:
     depends on how many queries and keys the call has (its blocking), and rounded to bf16 those last-bit
     differences flip whole bf16 steps, so a tree verify and a one-token decode of the same token disagree and
     greedy speculation is not lossless. In fp64 they agree bit for bit after rounding (every other op of a
-    forward, the matmuls included, computes a row the same way whatever the batch). A Causal mask is a prefill's,
-    whose rows no decode is compared with: it computes in q's own dtype, as the model's reference does."""
+    forward, the matmuls included, computes a row the same way whatever the batch: runtime.target.cpu_packing pads
+    and slices bf16 products so that it does). A Causal mask is a prefill's, whose rows no decode is compared with:
+    it computes in q's own dtype, as the model's reference does."""
     if isinstance(mask, Causal) or _drafting.on:
         return q.dtype
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled():

@@ -35,6 +35,71 @@ TEMPLATES = (
     "int; raise ValueError naming the bad field.",
     "Write a Python context manager `timed(label)` that prints how long the block took, and use it to time sorting "
     "{n} {noun}s.",
+    "Write a JavaScript function `{verb}{Noun}s({noun}s)` that {verb}s an array of {noun} objects by their "
+    "'{field}' property without mutating the input.",
+    "Write a TypeScript interface for a {noun} with an id, a {field} and optional tags, and a function that "
+    "returns the {noun}s whose {field} is missing.",
+    "Write a Go function that counts how many {noun}s in a slice share each {field}, returning a map.",
+    "Write a Rust struct `{Noun}` with an id and a {field}, derive Debug and Clone, and implement a constructor "
+    "that rejects an empty {field}.",
+    "Write a C function `largest_{field}` that returns the index of the {noun} with the largest {field} in an "
+    "array of structs, or -1 when the array is empty.",
+    "Write a SQL query that finds {noun}s with a duplicate {field} in the table `{noun}s`, showing each value and "
+    "how often it occurs.",
+    "Write a SQL CREATE TABLE statement for `{noun}s` with an id primary key, a {field} column and a created_at "
+    "timestamp, plus an index on {field}.",
+    "Explain what this Python code does and point out one bug:\n"
+    "def total_{field}({noun}s):\n    total = 0\n    for i in range(1, len({noun}s)):\n"
+    "        total += {noun}s[i]['{field}']\n    return total",
+    "Fix the bug in this Python function so that it returns the {n} most recent {noun}s:\n"
+    "def latest_{noun}s({noun}s):\n    return sorted({noun}s, key=lambda x: x['created_at'])[:{n}]",
+    "Add type hints and a docstring to this Python function:\n"
+    "def find_{noun}({noun}s, {field}):\n    for {noun} in {noun}s:\n        if {noun}['{field}'] == {field}:\n"
+    "            return {noun}\n    return None",
+    "Complete this Python class so that `push` and `pop` work as a stack of {noun}s with a maximum size of {n}:\n\n"
+    "class {Noun}Stack:\n    def __init__(self):\n",
+    "Write a Python function that implements binary search over a list of {noun}s sorted by '{field}' and returns "
+    "the index of the first match, or -1.",
+    "Write a Python function that returns the {n} {noun}s with the highest '{field}' using heapq, without sorting "
+    "the whole list.",
+    "Write a Python function that converts a list of {noun} dicts into a CSV string with a header row, quoting "
+    "values that contain commas.",
+    "Write an asyncio Python function that fetches {n} {noun}s concurrently with a given async `fetch(id)` and "
+    "returns them in id order.",
+    "Write a Python function that flattens a nested dict describing a {noun} into dotted keys, such as "
+    "'{field}.value'.",
+    "Rewrite this recursive Python function as an iterative one:\n"
+    "def count_{noun}s(node):\n    if node is None:\n        return 0\n"
+    "    return 1 + count_{noun}s(node.left) + count_{noun}s(node.right)",
+    "Write a Python decorator `cache_{noun}s` that memoises a function of one argument and evicts the oldest entry "
+    "after {n} entries.",
+    "Write a Python function that checks whether two {noun} records are equal ignoring case and surrounding "
+    "whitespace in every string field.",
+    "Write a Python script with argparse that reads a JSON file of {noun}s and prints those whose '{field}' "
+    "matches a command-line argument.",
+    "Write a Python function that paginates a list of {noun}s: given a page number and a page size of {n}, return "
+    "that page and the number of pages.",
+    "Write a Python function that merges two lists of {noun}s sorted by '{field}' into one sorted list in linear "
+    "time.",
+    "Write a Python function that parses a log line such as '2024-01-05 12:00:01 ERROR {noun} {field}=x' into a "
+    "dict with date, time, level and fields.",
+    "Write a bash one-liner and explain it: count the lines that mention '{noun}' in every .{ext} file in a "
+    "directory and print the total.",
+    "Write a Python function that builds a graph of {noun}s from (a, b) pairs and returns the connected groups.",
+    "Write a JavaScript function that debounces a callback by {n}00 milliseconds, and show it used on a {noun} "
+    "search box.",
+    "Write a Python function that validates an ISO 8601 date string for a {noun}'s {field} and returns a datetime, "
+    "raising ValueError otherwise.",
+    "Write a Python function that reads a large .{ext} file of {noun}s line by line and returns how many lines "
+    "contain the word '{field}'.",
+    "Write a pandas snippet that loads `{noun}s.csv`, drops rows without a {field}, and shows the mean score per "
+    "{field}.",
+    "Write a Python class `{Noun}Queue` with enqueue, dequeue and peek, backed by collections.deque, raising "
+    "IndexError when empty.",
+    "Write a Python function that returns the longest run of consecutive {noun}s with the same '{field}' in a "
+    "list.",
+    "Write a pytest fixture that creates a temporary SQLite database with a `{noun}s` table and {n} rows, and a "
+    "test that uses it.",
 )
 NOUNS = ("user", "order", "invoice", "ticket", "book", "song", "sensor", "device", "message", "task", "product",
          "employee", "city", "event", "comment", "payment")

@@ -15,6 +15,8 @@ import time
 from types import SimpleNamespace
 from pathlib import Path
 
+import torch
+
 from pipeline.cli import _bench_prompts
 from pipeline.sources import resolve_target, target_fingerprint
 from pipeline.tokens import encode, generation_stop_ids
@@ -26,6 +28,7 @@ from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.draft_budget import ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
 from runtime.target.loading import from_pretrained
+from runtime.target.precision import PRECISIONS, float_dtype
 
 
 def main() -> None:
@@ -41,6 +44,7 @@ def main() -> None:
     p.add_argument("--sibling", help="a same-tokenizer LM (preset or directory) drafting as it is")
     p.add_argument("--lm-budgets", default="4x1")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="the target's weights, as pipeline bench")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -51,7 +55,8 @@ def main() -> None:
     qs = [ServedBudget.parse(b) for b in args.quantspec.split(",") if b]
     lms = [ServedBudget.parse(b) for b in args.lm_budgets.split(",") if b] if args.sibling else []
     max_len = max(map(len, prompts)) + args.max_new_tokens + 64
-    target = from_pretrained(target_dir, max_seq_len=max_len, lean=True)
+    dtype = float_dtype(args.precision, torch.device("cpu"))
+    target = from_pretrained(target_dir, dtype=dtype, max_seq_len=max_len, lean=True)
     engines = {"ar": Engine(target, None, EngineConfig(max_seq_len=max_len))}
     reference: dict[str, str] = {}  # a method -> the plain decoding its greedy replies must equal, where not ar
     kind, threads = get_kind("quantspec"), {"ar": quantspec.DRAFT_THREADS}
@@ -69,7 +74,7 @@ def main() -> None:
             engines[reference.setdefault(name, f"ar, {served.engine.cfg.kv_scheme} KV")] = served.plain()
         engines[name] = served.engine
     if args.sibling:
-        sibling = from_pretrained(resolve_target(args.sibling), max_seq_len=max_len)
+        sibling = from_pretrained(resolve_target(args.sibling), dtype=dtype, max_seq_len=max_len)
         for b in lms:
             engines[f"sibling lm {b.spec}"] = Engine(target, LMDrafter(sibling, max_len), EngineConfig(
                 max_seq_len=max_len, speed_check=False, **b.engine_fields()))

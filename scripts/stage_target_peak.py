@@ -29,11 +29,11 @@ def main() -> None:
     from runtime.speculation.engine import Engine, EngineConfig
     from runtime.speculation.sampling import SamplingParams
     from runtime.target.loading import from_pretrained
-    from runtime.target.precision import float_dtype
+    from runtime.target.precision import PRECISIONS, float_dtype
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-instruct", help="a preset, hub id or HF directory")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--precision", default="auto", choices=PRECISIONS)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--plain-blocks", type=int, nargs="*", default=[],
                    help="blocks kept plain (distill's eagle: the last)")

@@ -57,7 +57,8 @@ def build(source: Path, cflags: list[str]) -> bool:
     cannot be built here (no compiler, no ninja, a read-only cache)."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]  # a changed source never loads a stale build
+    # a changed source, or the same one built for another instruction set, never loads a stale build
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
     name = f"draftsmith_{source.stem}_{digest}"
     clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     try:

@@ -1,11 +1,14 @@
 // y = x @ w.T (+ bias) with w in int4 (groups of G along k, a scale and a minimum each) and x quantised to int8 per
-// row, AVX-512 VNNI: see int4_gemm.py for the layout and why it is ours.
+// row: see int4_gemm.py for the layout and why it is ours.
 //
 // Each panel of 16 output columns is one stream: per group, G/8 blocks of 64 bytes (8 k's x 16 columns as nibbles:
 // byte 4c + i holds k = 8b + i in its low nibble and k = 8b + 4 + i in its high one, for column c), then 64 bytes of
-// fp16 scales [16] and minimums [16]. One vpdpbusd multiplies a block's 16 columns by 4 of the row's int8 values at
-// once; a group's integer sums are then scaled in fp32:
+// fp16 scales [16] and minimums [16]. A block's 16 columns are multiplied by 4 of the row's int8 values at once; a
+// group's integer sums are then scaled in fp32:
 //   y[m, c] = xs[m] * sum_g (scale[g, c] * sum_k q[c, k] xq[m, k] + min[g, c] * sum_k xq[m, k]) + bias[c].
+// Built with AVX-512 VNNI (one vpdpbusd per 16 columns) or AVX2 (vpmaddubsw then vpmaddwd per 8 columns: codes of
+// 0..15 times |xq| <= 127 never saturate its int16 pairs). Both sum the same integers and scale them in the same
+// fp32 order, so both builds give the same bits.
 #include <algorithm>
 #include <cmath>
 
@@ -18,6 +21,7 @@ namespace {
 
 constexpr int NR = 16;  // output columns per panel: one 16-lane vector
 constexpr int64_t AHEAD = 8192;  // bytes of the panel stream prefetched ahead into L2
+#if defined(__AVX512VNNI__)
 constexpr int MR = 6;   // rows of x per tile: 6 x 2 accumulators + codes, nibbles and scales well inside 32 registers
 
 // y rows [R] for one panel: `stream` the panel's groups, xq rows at stride K (int8), sums [R, groups] (int32)
@@ -63,6 +67,54 @@ inline void tile(const int8_t* xq, const int32_t* sums, const float* xs, const u
     for (int c = 0; c < cols; ++c) y[m * N + c] = out[c] + (bias ? bias[c] : 0.0f);
   }
 }
+
+#else
+constexpr int MR = 4;   // rows of x per tile: faster than 2 from 4 rows on, as fast at one (the sums spill a little)
+
+// as the AVX-512 tile, each 64-byte block taken as two halves of 8 columns
+template <int R>
+inline void tile(const int8_t* xq, const int32_t* sums, const float* xs, const uint8_t* stream, const float* bias,
+                 float* y, int64_t K, int64_t G, int64_t N, int cols) {
+  const int64_t groups = K / G, blocks = G / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[R][2];
+    for (int m = 0; m < R; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    const int8_t* xg = xq + g * G;
+    for (int64_t b = 0; b < blocks; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(stream) + b * 64 + AHEAD, _MM_HINT_T1);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stream + b * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int m = 0; m < R; ++m) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xg + m * K + b * 8);
+          const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[0])), ones);
+          const __m256i u = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[1])), ones);
+          dot[m][h] = _mm256_add_epi32(_mm256_add_epi32(dot[m][h], l), u);
+        }
+      }
+    }
+    stream += blocks * 64;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + 16 * h)));
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + 32 + 16 * h)));
+      for (int m = 0; m < R; ++m) {
+        acc[m][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot[m][h]), acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(static_cast<float>(sums[m * groups + g])), acc[m][h]);
+      }
+    }
+    stream += 64;
+  }
+  for (int m = 0; m < R; ++m) {
+    alignas(32) float out[NR];
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(out + 8 * h, _mm256_mul_ps(acc[m][h], _mm256_set1_ps(xs[m])));
+    for (int c = 0; c < cols; ++c) y[m * N + c] = out[c] + (bias ? bias[c] : 0.0f);
+  }
+}
+#endif
 
 void panel_rows(const int8_t* xq, const int32_t* sums, const float* xs, const uint8_t* stream, const float* bias,
                 float* y, int64_t M, int64_t K, int64_t G, int64_t N, int cols) {

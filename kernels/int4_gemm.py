@@ -1,5 +1,5 @@
-"""Int4 weight products for a few rows on AVX-512 VNNI CPUs: our own C++ kernel (int4_gemm.cpp), `reference` its
-torch definition. The weights a self-speculative draft (runtime/drafters/quantspec.py) streams per step.
+"""Int4 weight products for a few rows on CPUs with AVX-512 VNNI or AVX2: our own C++ kernel (int4_gemm.cpp),
+`reference` its torch definition. The weights a self-speculative draft (runtime/drafters/quantspec.py) streams per step.
 
 Why our own: a draft step is bound by the bytes of weights it reads, and int4 reads half of int8's; but torch's packed
 int4 CPU product runs several times slower than our fp32 kernel at one row (docs/qwen.md,
@@ -22,14 +22,17 @@ from kernels.cpu_gemm import build, cpu_info
 
 SOURCE = Path(__file__).with_name("int4_gemm.cpp")
 PANEL = 16  # output columns per panel (NR in int4_gemm.cpp)
-NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}
+# the CPU flags each build needs, and its compiler flags: the first this CPU has is built
+BUILDS = (({"avx512f", "avx512bw", "avx512_vnni", "f16c"}, ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"]),
+          ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]))
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel runs here (built once per process); where not, `linear` runs `reference`."""
-    if not NEEDS <= set(cpu_info("flags").split()) or not build(SOURCE, ["-mavx512f", "-mavx512bw",
-                                                                          "-mavx512vnni", "-mf16c"]):
+    flags = set(cpu_info("flags").split())
+    cflags = next((c for needs, c in BUILDS if needs <= flags), None)
+    if cflags is None or not build(SOURCE, cflags):
         return False
     torch.library.register_fake("draftsmith_int4::int4_linear")(
         lambda x, panels, n, group, bias: x.new_empty(x.shape[0], n))
@@ -114,5 +117,5 @@ def linear(x: Tensor, panels: Tensor, n: int, group: int, bias: Tensor | None = 
 
 @functools.cache
 def warn_slow() -> None:
-    warnings.warn(f"this CPU lacks {', '.join(sorted(NEEDS))}: int4 products run through their torch reference, "
+    warnings.warn("this CPU has neither AVX-512 VNNI nor AVX2: int4 products run through their torch reference, "
                   "which unpacks the weights per call (correct, slow)", stacklevel=3)

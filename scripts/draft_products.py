@@ -13,6 +13,7 @@ import time
 import torch
 
 from kernels import cpu_gemm, dynamic_int8, int4_gemm
+from runtime.target.cpu_packing import onednn_packs
 
 SHAPES = {"gate+up 17920x1536": (17920, 1536), "down 1536x8960": (1536, 8960), "head 151936x1536": (151936, 1536)}
 ROUNDS, CALLS = 5, 3
@@ -35,8 +36,9 @@ def products(w: torch.Tensor) -> dict:
     if cpu_gemm.available():
         panels = cpu_gemm.pack(w)
         out["fp32 (ours)"] = lambda x: cpu_gemm.small_linear(x, panels, n)
-    bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16)
-    out["bf16 (oneDNN)"] = lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), bf16, None, "none", [], "")
+    if onednn_packs(torch.bfloat16):  # not on AVX2 CPUs
+        bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16)
+        out["bf16 (oneDNN)"] = lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), bf16, None, "none", [], "")
     for group in (32, 128):
         packed, zeros = int4_packed(w, group)
         out[f"int4-g{group} (aten)"] = (lambda p, z, g: lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -19,7 +19,7 @@ HEAD, LAYERS, GROUP, PASSES = (151936, 1536), 28, 32, 8
 
 def main() -> None:
     if not int4_gemm.available():
-        raise SystemExit("kernels/int4_gemm.cpp does not run here (it needs AVX-512 VNNI)")
+        raise SystemExit("kernels/int4_gemm.cpp does not run here (it needs AVX-512 VNNI or AVX2)")
     torch.manual_seed(0)
     shapes = LAYER * LAYERS + [HEAD]
     packed = [(int4_gemm.pack(*int4_gemm.quantize(torch.randn(n, k) * 0.02, GROUP)), n, k) for n, k in shapes]

@@ -1,5 +1,5 @@
-"""kernels/int4_gemm.py: group-wise int4 quantisation, the panel layout, and our AVX-512 VNNI product against its torch
-reference."""
+"""kernels/int4_gemm.py: group-wise int4 quantisation, the panel layout, and our product (AVX-512 VNNI or AVX2)
+against its torch reference."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from kernels import int4_gemm
 
 needs_kernel = pytest.mark.skipif(not int4_gemm.available(),
-                                  reason="kernels/int4_gemm needs AVX-512 (F, BW, VNNI) and a compiler")
+                                  reason="kernels/int4_gemm needs AVX-512 VNNI or AVX2, and a compiler")
 
 
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -57,6 +57,19 @@ def test_matches_the_torch_reference(n, k, group, rows, bias):
     y = int4_gemm.linear(x[None], int4_gemm.pack(*parts), n, group, b)
     assert y.shape == (1, rows, n)
     torch.testing.assert_close(y, int4_gemm.reference(x[None], *parts, b), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+@torch.no_grad()
+def test_the_largest_codes_times_the_largest_inputs_are_summed_exactly():
+    """Codes of 15 against inputs of +-127, the most an AVX2 build's int16 pairs ever hold, in every sign pattern."""
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 2, (48, 256), generator=g, dtype=torch.uint8) * 15
+    scales = torch.full((48, 8), 2.0 ** -6, dtype=torch.float16)
+    minimums = torch.full((48, 8), -(2.0 ** -3), dtype=torch.float16)
+    x = torch.where(torch.rand(3, 256, generator=g) < 0.5, -1.0, 1.0)  # every value at the row's absolute maximum
+    y = int4_gemm.linear(x, int4_gemm.pack(codes, scales, minimums), 48, 32)
+    torch.testing.assert_close(y, x @ int4_gemm.dequantize(codes, scales, minimums).T, atol=1e-5, rtol=1e-6)
 
 
 @needs_kernel

@@ -8,7 +8,7 @@
 //   y[m, c] = xs[m] * sum_g (scale[g, c] * sum_k q[c, k] xq[m, k] + min[g, c] * sum_k xq[m, k]) + bias[c].
 // Built with AVX-512 VNNI (one vpdpbusd per 16 columns) or AVX2 (vpmaddubsw then vpmaddwd per 8 columns: codes of
 // 0..15 times |xq| <= 127 never saturate its int16 pairs). Both sum the same integers and scale them in the same
-// fp32 order, so both builds give the same bits.
+// fp32 order, so by construction both builds give the same bits.
 #include <algorithm>
 #include <cmath>
 

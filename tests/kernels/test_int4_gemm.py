@@ -2,10 +2,15 @@
 against its torch reference."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels import int4_gemm
+from kernels.cpu_gemm import cpu_info
 
 needs_kernel = pytest.mark.skipif(not int4_gemm.available(),
                                   reason="kernels/int4_gemm needs AVX-512 VNNI or AVX2, and a compiler")
@@ -82,6 +87,33 @@ def test_every_row_gets_its_one_row_result_bit_for_bit():
     one_row = torch.cat([int4_gemm.linear(x[i:i + 1], panels, 70, 32) for i in range(20)])
     for rows in (2, 5, 6, 7, 13, 20):
         assert torch.equal(int4_gemm.linear(x[:rows], panels, 70, 32), one_row[:rows]), rows
+
+
+# each build in a process of its own: both register the same operator
+ONE_BUILD = """
+import sys, torch
+from kernels import int4_gemm
+int4_gemm.BUILDS = int4_gemm.BUILDS[int(sys.argv[1]):int(sys.argv[1]) + 1]
+assert int4_gemm.available()
+x, panels, n, group, bias = torch.load(sys.argv[2])
+torch.save(int4_gemm.linear(x, panels, n, group, bias), sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(not all(needs <= set(cpu_info("flags").split()) for needs, _ in int4_gemm.BUILDS),
+                    reason="comparing the builds needs a CPU that runs every one (AVX-512 VNNI)")
+@pytest.mark.parametrize("group", [32, 128])
+def test_every_build_gives_the_same_bits(tmp_path, group):
+    g = torch.Generator().manual_seed(5)
+    parts = int4_gemm.quantize(weight(200, 1536, seed=group), group)
+    x = torch.randn(13, 1536, generator=g) * torch.logspace(-3, 3, 13)[:, None]  # rows far apart in scale
+    torch.save((x, int4_gemm.pack(*parts), 200, group, torch.randn(200, generator=g)), tmp_path / "in.pt")
+    ys = []
+    for i in range(len(int4_gemm.BUILDS)):
+        subprocess.run([sys.executable, "-c", ONE_BUILD, str(i), str(tmp_path / "in.pt"), str(tmp_path / f"{i}.pt")],
+                       check=True, timeout=600, cwd=Path(__file__).parents[2])
+        ys.append(torch.load(tmp_path / f"{i}.pt"))
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
 @torch.no_grad()

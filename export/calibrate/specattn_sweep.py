@@ -109,8 +109,8 @@ def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def hidden_nll(target: Transformer, hidden: torch.Tensor, ids: torch.Tensor, rows: int = 128) -> torch.Tensor:
     """next_token_nll from the final hidden states [1, T, dim], through the head `rows` positions at a time: a long
-    row's logits whole would take T x vocabulary floats (2.5 GB at 4,096 tokens of a 152k vocabulary), and 512 rows
-    with their log-softmax 0.6 GB on top of a sparse pass."""
+    row's logits whole would take T x vocabulary floats (2.5 GB at 4,096 tokens of a 152k vocabulary); a few rows
+    at a time keep the logits and their log-softmax small beside a sparse pass (docs/qwen.md)."""
     T = ids.numel()
     return torch.cat([F.cross_entropy(target.output(hidden[0, i:min(i + rows, T - 1)]).float(),
                                       ids[i + 1:min(i + rows, T - 1) + 1], reduction="none")

@@ -11,6 +11,7 @@ Stored names: `<name>.qweight` (int8 [out, in] or uint8 [out, in/2]) and `<name>
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ from kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, qu
 
 QWEIGHT, SCALES = ".qweight", ".scales"
 INT4_GROUP_SIZES = (32, 64, 128)
+# rows (output channels) quantised, restored or compared at a time: a 151,936-row embedding's float temporaries are
+# then a block's few MB, not several copies of the whole matrix beside the model it drafts for
+ROW_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -61,18 +65,23 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme | str) -> tuple[torch.T
     scheme = _as_scheme(scheme)
     if not is_quantizable(w):
         raise ValueError(f"expected a 2-D floating weight matrix, got {w.dtype} {tuple(w.shape)}")
-    if scheme.bits == 8:
-        return quantize_int8(w)
-    if w.shape[1] % scheme.group_size:
+    if scheme.bits == 4 and w.shape[1] % scheme.group_size:
         raise ValueError(f"input dim {w.shape[1]} is not a multiple of the {scheme.name} group size")
-    return quantize_int4(w, scheme.group_size)
+    blocks = [quantize_int8(b) if scheme.bits == 8 else quantize_int4(b, scheme.group_size)
+              for b in w.split(ROW_BLOCK)]
+    if len(blocks) == 1:
+        return blocks[0]
+    return torch.cat([codes for codes, _ in blocks]), torch.cat([scales for _, scales in blocks])
 
 
 def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme | str,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     scheme = _as_scheme(scheme)
-    w = dequantize_int8(codes, scales) if scheme.bits == 8 else dequantize_int4(codes, scales)
-    return w.to(dtype)
+    columns = codes.shape[1] * (1 if scheme.bits == 8 else 2)
+    w = torch.empty(codes.shape[0], columns, dtype=dtype, device=codes.device)
+    for rows, c, s in zip(w.split(ROW_BLOCK), codes.split(ROW_BLOCK), scales.split(ROW_BLOCK)):
+        rows.copy_(dequantize_int8(c, s) if scheme.bits == 8 else dequantize_int4(c, s))
+    return w
 
 
 def error_bound(scales: torch.Tensor, scheme: QuantScheme | str) -> torch.Tensor:
@@ -122,9 +131,14 @@ def dequantize_state_dict(tensors: dict[str, torch.Tensor], scheme: QuantScheme 
 def relative_errors(sd: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor],
                     scheme: QuantScheme | str) -> dict[str, float]:
     """||W - W'||_F / ||W||_F per quantised matrix (the number the calibration report shows), each restored from
-    `quantized` in turn: no whole restored copy beside the original."""
+    `quantized` a block of rows at a time: no whole restored copy beside the original."""
     def error(name: str, w: torch.Tensor) -> float:
-        restored = dequantize_weight(quantized[name + QWEIGHT], quantized[name + SCALES], scheme)
-        return ((restored - w.float()).norm() / w.float().norm().clamp_min(1e-12)).item()
+        error_sq = norm_sq = 0.0
+        for rows, c, s in zip(w.split(ROW_BLOCK), quantized[name + QWEIGHT].split(ROW_BLOCK),
+                              quantized[name + SCALES].split(ROW_BLOCK)):
+            rows = rows.float()
+            error_sq += (dequantize_weight(c, s, scheme) - rows).square().sum().item()
+            norm_sq += rows.square().sum().item()
+        return math.sqrt(error_sq) / max(math.sqrt(norm_sq), 1e-12)
 
     return {name: error(name, w) for name, w in sd.items() if is_quantizable(w)}

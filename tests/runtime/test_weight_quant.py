@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import runtime.weight_quant as weight_quant
 from runtime.weight_quant import (QuantScheme, dequantize_state_dict, error_bound, quantize_state_dict, relative_errors)
 
 SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128"]
@@ -50,6 +51,19 @@ def test_finer_schemes_are_more_accurate():
     for key in errors["int8"]:
         assert [errors[name][key] for name in SCHEMES] == sorted(errors[name][key] for name in SCHEMES), key
         assert errors["int8"][key] < 0.01 and errors["int4-g128"][key] < 0.15, key  # Frobenius, relative
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_a_block_of_rows_at_a_time_gives_the_whole_matrix_bits(name, monkeypatch):
+    sd = drafter_state_dict(seed=2)
+    whole = quantize_state_dict(sd, name)
+    whole_restored, whole_errors = dequantize_state_dict(whole, name), relative_errors(sd, whole, name)
+    monkeypatch.setattr(weight_quant, "ROW_BLOCK", 7)  # no matrix's rows a multiple of it: a short last block
+    blocked = quantize_state_dict(sd, name)
+    assert all(torch.equal(blocked[k], whole[k]) for k in whole)
+    restored = dequantize_state_dict(blocked, name)
+    assert all(torch.equal(restored[k], whole_restored[k]) for k in whole_restored)
+    assert relative_errors(sd, blocked, name) == pytest.approx(whole_errors, rel=1e-5)
 
 
 def test_bf16_weights_quantise_and_restore_in_the_requested_dtype():

@@ -44,7 +44,7 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable
         release_freed_memory()  # this drafter, before the next one is built
         return tau
 
-    candidates, packed = [], {}
+    candidates = []
     bar = tqdm(["fp32", *schemes], desc="calibrate: drafter weight schemes", unit="scheme")
     for name in bar:
         if name == "fp32":
@@ -59,17 +59,20 @@ def calibrate_quant(out: Path, target: Transformer, config: dict, load: Callable
             candidates.append({"scheme": name, "skipped": str(e)})
             continue
         rel_error = max(relative_errors(tensors, quantized, scheme).values(), default=0.0)
-        packed[name] = quantized
         del tensors
-        tau = tau_of(dequantize_state_dict(packed[name], scheme, dtype=target.dtype))
+        release_freed_memory()  # the plain copy, before the restored one takes its place
+        restored, size = dequantize_state_dict(quantized, scheme, dtype=target.dtype), stored_bytes(quantized)
+        del quantized  # quantised again for the chosen scheme alone, so no packed copy stands beside a drafter
+        tau = tau_of(restored)
         candidates.append({"scheme": name, "tau": tau, "tau_drop": (fp32_tau - tau) / fp32_tau,
-                           "rel_error": rel_error, "bytes": stored_bytes(packed[name])})
+                           "rel_error": rel_error, "bytes": size})
     chosen = choose_scheme(candidates, tolerance)
     report = {"chosen": chosen, "fp32_tau": fp32_tau, "fp32_bytes": fp32_bytes,
               "tau_tolerance": tolerance, "tau_prompts": len(probe.prompts), "candidates": candidates,
               "target_perplexity": "unchanged: only drafter weights are quantised"}
     (out / "quant.json").write_text(json.dumps(report, indent=2) + "\n")
-    if chosen != "fp32":
-        save_file(packed[chosen], str(out / "quant.safetensors"), metadata={"scheme": chosen})
     release_freed_memory()  # every scheme's drafter copies: a 0.5B sibling's are 2 GB each
+    if chosen != "fp32":  # quantising is deterministic: these are the bits whose tau was measured
+        save_file(quantize_state_dict(load(), chosen), str(out / "quant.safetensors"), metadata={"scheme": chosen})
+        release_freed_memory()  # the plain copy it was quantised from
     return report

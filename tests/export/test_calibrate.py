@@ -22,6 +22,7 @@ from pipeline.runstore import RunStore
 from pipeline.stages.context import StageContext
 from runtime.drafters import DRAFT_VOCAB, drafter_config, drafter_module, drafter_tensors, get_kind, served_drafter
 from runtime.drafters.ngram import NgramDrafter
+from runtime.files import read_tensors
 from runtime.speculation.decode_stats import tokens_per_forward
 from runtime.speculation.draft_budget import DraftBudget, ServedBudget
 from runtime.speculation.engine import Engine, EngineConfig
@@ -30,6 +31,7 @@ from runtime.target.attention import SpecAttnConfig, head_groups
 from runtime.target.loading import from_pretrained
 from runtime.target.precision import float_dtype
 from runtime.target.quant_kv_cache import KVQuant, QuantizedKVCache
+from runtime.weight_quant import quantize_state_dict
 from train.batches import Batches
 from train.data import TokenizedSet, prompts_from
 from train.recipes import eagle as eagle_recipe
@@ -140,7 +142,12 @@ def test_eagle_quant_and_layer_map(tmp_path, target_dir, distilled):
         assert chosen["tau_drop"] <= 0.02 and all(chosen["bytes"] <= c["bytes"] for c in within)
         with safe_open(str(ctx.out / "quant.safetensors"), "pt") as f:
             assert f.metadata()["scheme"] == quant["chosen"]
-            assert any(k.endswith(".qweight") for k in f.keys())
+            stored = {k: f.get_tensor(k) for k in f.keys()}
+        # the bits whose tau was measured, and the bytes the report counted
+        expected = quantize_state_dict(read_tensors(ctx.input("distill") / "drafter.safetensors"), quant["chosen"])
+        assert stored.keys() == expected.keys() and any(k.endswith(".qweight") for k in stored)
+        assert all(torch.equal(stored[k], expected[k]) for k in stored)
+        assert sum(t.numel() * t.element_size() for t in stored.values()) == chosen["bytes"]
     for c in measured:
         assert 0 < c["rel_error"] < 0.5
     skipped = {c["scheme"]: c["skipped"] for c in quant["candidates"] if "skipped" in c}

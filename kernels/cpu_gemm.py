@@ -39,6 +39,12 @@ def cpu_info(field: str) -> str:
         return ""
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags the first CPU reports (avx2, avx512_vnni, amx_bf16, ...); empty where unknown."""
+    return frozenset(cpu_info("flags").split())
+
+
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> None:
     """Remove a build lock older than any build: a build killed midway leaves its lock, and torch would wait on it
     forever."""
@@ -73,7 +79,7 @@ def build(source: Path, cflags: list[str]) -> bool:
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernel once per process; False where it cannot run here."""
-    if not {"avx2", "fma"} <= set(cpu_info("flags").split()) or not build(SOURCE, ["-mavx2", "-mfma"]):
+    if not {"avx2", "fma"} <= cpu_flags() or not build(SOURCE, ["-mavx2", "-mfma"]):
         return False
     # its output's shape without running it, so torch.compile can trace a forward through it (compile_static)
     torch.library.register_fake("draftsmith_cpu::small_linear")(

@@ -18,13 +18,13 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from kernels.cpu_gemm import cpu_info
+from kernels.cpu_gemm import cpu_flags
 
 
 @lru_cache(maxsize=None)
 def reduce_range() -> bool:
     """Whether inputs are quantised to 7 bits: where fbgemm's int16 pair sums would saturate on 8."""
-    return "avx512_vnni" not in cpu_info("flags").split()
+    return "avx512_vnni" not in cpu_flags()
 
 
 def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.cpu_gemm import build, cpu_info
+from kernels.cpu_gemm import build, cpu_flags
 
 SOURCE = Path(__file__).with_name("int4_gemm.cpp")
 PANEL = 16  # output columns per panel (NR in int4_gemm.cpp)
@@ -30,8 +30,7 @@ BUILDS = (({"avx512f", "avx512bw", "avx512_vnni", "f16c"}, ["-mavx512f", "-mavx5
 @functools.cache
 def available() -> bool:
     """Whether the kernel runs here (built once per process); where not, `linear` runs `reference`."""
-    flags = set(cpu_info("flags").split())
-    cflags = next((c for needs, c in BUILDS if needs <= flags), None)
+    cflags = next((c for needs, c in BUILDS if needs <= cpu_flags()), None)
     if cflags is None or not build(SOURCE, cflags):
         return False
     torch.library.register_fake("draftsmith_int4::int4_linear")(

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import track
 
-from kernels.cpu_gemm import build, cpu_info
+from kernels.cpu_gemm import build, cpu_flags
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # one layer's products, q/k/v and gate/up fused
 LAYERS = 28
@@ -78,8 +78,8 @@ def avx512_rate(n: int = 256, k: int = 1536, calls: int = 2000) -> dict[int, flo
 
 
 def main() -> None:
-    if not NEEDS <= set(cpu_info("flags").split()):
-        sys.exit(f"bf16_products: this CPU lacks {sorted(NEEDS - set(cpu_info('flags').split()))}")
+    if not NEEDS <= cpu_flags():
+        sys.exit(f"bf16_products: this CPU lacks {sorted(NEEDS - cpu_flags())}")
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     if not build(Path(__file__).with_name("bf16_products.cpp"), flags):
         sys.exit("bf16_products: scripts/bf16_products.cpp did not build")

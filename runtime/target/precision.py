@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from kernels.cpu_gemm import cpu_info
+from kernels.cpu_gemm import cpu_flags
 
 PRECISIONS = ("auto", "fp32", "bf16")
 BF16_EVERYWHERE = {"amx_bf16"}  # CPU flags under which whole models run faster in bf16
@@ -25,8 +25,7 @@ def bf16_is_fast(device: torch.device, training: bool = False) -> bool:
     model's forward, decode steps included."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    flags = set(cpu_info("flags").split())
-    return device.type == "cpu" and bool(flags & (BF16_TRAINING if training else BF16_EVERYWHERE))
+    return device.type == "cpu" and bool(cpu_flags() & (BF16_TRAINING if training else BF16_EVERYWHERE))
 
 
 def float_dtype(precision: str, device: torch.device) -> torch.dtype:

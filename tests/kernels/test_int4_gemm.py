@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import int4_gemm
-from kernels.cpu_gemm import cpu_info
+from kernels.cpu_gemm import cpu_flags
 
 needs_kernel = pytest.mark.skipif(not int4_gemm.available(),
                                   reason="kernels/int4_gemm needs AVX-512 VNNI or AVX2, and a compiler")
@@ -100,7 +100,7 @@ torch.save(int4_gemm.linear(x, panels, n, group, bias), sys.argv[3])
 """
 
 
-@pytest.mark.skipif(not all(needs <= set(cpu_info("flags").split()) for needs, _ in int4_gemm.BUILDS),
+@pytest.mark.skipif(not all(needs <= cpu_flags() for needs, _ in int4_gemm.BUILDS),
                     reason="comparing the builds needs a CPU that runs every one (AVX-512 VNNI)")
 @pytest.mark.parametrize("group", [32, 128])
 def test_every_build_gives_the_same_bits(tmp_path, group):

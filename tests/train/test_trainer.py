@@ -220,7 +220,7 @@ def test_bf16_autocast_runs_the_loss_in_bf16_and_keeps_fp32_weights(tmp_path):
 ])
 def test_precision_auto_means_bf16_only_where_it_is_fast(monkeypatch, flags, training, inference):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(precision, "cpu_info", lambda field: flags if field == "flags" else "")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags.split()))
     assert bf16_is_fast(cpu, training=True) == training and bf16_is_fast(cpu) == inference
     assert use_bf16("auto", cpu, training=True) == training and use_bf16("auto", cpu) == inference
     assert (precision.float_dtype("auto", cpu) == torch.bfloat16) == inference

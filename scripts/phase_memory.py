@@ -1,6 +1,8 @@
 """Run a `pipeline` command with the peak resident memory of each phase of its stage (calibrate or distill) printed
 as it ends: the kernel's own high-water mark (VmHWM), reset as each phase starts, so a short spike is not missed as
-sampling would miss it. scripts/memory_timeline.py says when a peak falls; this says in which function.
+sampling would miss it. scripts/memory_timeline.py says when a peak falls; this says in which function. The stage's
+peak is printed last, over every reset: `/usr/bin/time -v` around this reads the high-water mark it resets, so it
+reports less.
 
     python scripts/phase_memory.py run --config configs/qwen-coder-sibling-lora.yaml --run-id sib --stage calibrate
 """
@@ -41,7 +43,12 @@ def status_gb(field: str) -> float:
     return int(line.split()[1]) / 2**20
 
 
+highest = 0.0  # the process's peak over every reset
+
+
 def reset_peak() -> None:
+    global highest
+    highest = max(highest, status_gb("VmHWM"))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size (proc(5))
 
@@ -78,7 +85,11 @@ def main() -> int:
         setattr(holder, name, measured(f"{owner + '.' if owner else ''}{name}", getattr(holder, name)))
     from pipeline.cli import main as pipeline
 
-    return pipeline(sys.argv[1:])
+    try:
+        return pipeline(sys.argv[1:])
+    finally:
+        reset_peak()
+        print(f"[memory {time.time() - start:6.0f} s] the process's peak: {highest:.2f} GB", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ peak is printed last, over every reset: `/usr/bin/time -v` around this reads the
 reports less.
 
     python scripts/phase_memory.py run --config configs/qwen-coder-sibling-lora.yaml --run-id sib --stage calibrate
+
+`--stop-after NAME` first ends the process once the phase NAME (weight_quant, say) returns, to measure one phase
+again and again.
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ PHASES = {"calibrate": [  # (module, owner class or None, function)
     ("export.calibrate.stage", None, "read_tensors"),
     ("export.calibrate.stage", None, "served_drafter"),
     ("export.calibrate.stage", None, "weight_quant"),
+    ("export.calibrate.weights", None, "quantize_state_dict"),
+    ("export.calibrate.weights", None, "relative_errors"),
+    ("export.calibrate.weights", None, "dequantize_state_dict"),
+    ("export.calibrate.weights", None, "served_drafter"),
     ("export.calibrate.stage", None, "calibrate_kv"),
     ("export.calibrate.stage", None, "calibrate_budget"),
     ("export.calibrate.stage", None, "calibrate_specattn"),
@@ -57,7 +64,7 @@ open_phases: list[float] = []  # per open phase, the highest peak of those it ca
 start = time.time()
 
 
-def measured(name: str, fn):
+def measured(name: str, fn, stop: bool = False):
     @functools.wraps(fn)
     def phase(*args, **kwargs):
         before = status_gb("VmRSS")
@@ -66,7 +73,7 @@ def measured(name: str, fn):
         reset_peak()
         open_phases.append(0.0)
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         finally:
             peak = max(open_phases.pop(), status_gb("VmHWM"))
             if open_phases:
@@ -74,19 +81,30 @@ def measured(name: str, fn):
             reset_peak()
             print(f"[memory {time.time() - start:6.0f} s] {'  ' * len(open_phases)}{name}: {before:.2f} GB before, "
                   f"peak {peak:.2f}, after {status_gb('VmRSS'):.2f}", file=sys.stderr, flush=True)
+        if stop:
+            raise SystemExit(0)
+        return result
     return phase
 
 
 def main() -> int:
-    stage = sys.argv[sys.argv.index("--stage") + 1] if "--stage" in sys.argv[:-1] else "calibrate"
-    for module, owner, name in PHASES.get(stage, []):
+    args, stop_after = sys.argv[1:], None
+    if args[:1] == ["--stop-after"] and len(args) > 1:
+        stop_after, args = args[1], args[2:]
+    stage = args[args.index("--stage") + 1] if "--stage" in args[:-1] else "calibrate"
+    phases = PHASES.get(stage, [])
+    if stop_after is not None and stop_after not in {name for _, _, name in phases}:
+        sys.exit(f"phase_memory: --stop-after {stop_after!r} is not a phase of {stage}: expected one of "
+                 f"{sorted({name for _, _, name in phases})}")
+    for module, owner, name in phases:
         holder = importlib.import_module(module)
         holder = getattr(holder, owner) if owner else holder
-        setattr(holder, name, measured(f"{owner + '.' if owner else ''}{name}", getattr(holder, name)))
+        setattr(holder, name, measured(f"{owner + '.' if owner else ''}{name}", getattr(holder, name),
+                                       stop=name == stop_after))
     from pipeline.cli import main as pipeline
 
     try:
-        return pipeline(sys.argv[1:])
+        return pipeline(args)
     finally:
         reset_peak()
         print(f"[memory {time.time() - start:6.0f} s] the process's peak: {highest:.2f} GB", file=sys.stderr, flush=True)

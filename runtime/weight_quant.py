@@ -20,8 +20,9 @@ from kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, qu
 
 QWEIGHT, SCALES = ".qweight", ".scales"
 INT4_GROUP_SIZES = (32, 64, 128)
-# rows (output channels) quantised, restored or compared at a time: a 151,936-row embedding's float temporaries are
-# then a block's few MB, not several copies of the whole matrix beside the model it drafts for
+# rows (output channels) quantised, restored or compared at a time, here and in quantspec's copy: a 151,936-row
+# embedding's float temporaries are then a block's few MB, not several copies of the whole matrix beside the model.
+# A multiple of the int4 kernel's 16-row panels, so a copy's slices concatenate (runtime/target/quantized_copy.py)
 ROW_BLOCK = 4096
 
 

@@ -19,10 +19,9 @@ from torch import Tensor, nn
 from kernels import dynamic_int8, int4_gemm
 from runtime.target.cpu_packing import Packable
 from runtime.target.model import Transformer
-from runtime.weight_quant import INT4_GROUP_SIZES, QuantScheme
+from runtime.weight_quant import INT4_GROUP_SIZES, ROW_BLOCK, QuantScheme
 
 SCHEMES = (*(QuantScheme(4, g).name for g in INT4_GROUP_SIZES), "int8")
-ROWS_AT_ONCE = 8192  # a 151,936-row head quantised whole holds three fp32 copies of itself at once
 
 
 def default_scheme() -> str:
@@ -32,13 +31,13 @@ def default_scheme() -> str:
 
 
 def weight_slices(layer: Packable):
-    """The layer's weight [N, K] in slices of ROWS_AT_ONCE rows, each read on its own (a layer packed for oneDNN
+    """The layer's weight [N, K] in slices of ROW_BLOCK rows, each read on its own (a layer packed for oneDNN
     alone is read back whole, once: its layout gives no rows apart)."""
     n = layer.weight.shape[0]
     whole = layer.weight_rows() if layer.onednn_only else None
-    for i in range(0, n, ROWS_AT_ONCE):
-        yield layer.weight_rows(torch.arange(i, min(i + ROWS_AT_ONCE, n))) if whole is None else \
-            whole[i:i + ROWS_AT_ONCE]
+    for i in range(0, n, ROW_BLOCK):
+        yield layer.weight_rows(torch.arange(i, min(i + ROW_BLOCK, n))) if whole is None else \
+            whole[i:i + ROW_BLOCK]
 
 
 class QuantizedLinear(nn.Module):
@@ -72,7 +71,7 @@ class Int4Linear(QuantizedLinear):
         super().__init__(layer)
         self.group = group
         self.pad = -layer.weight.shape[1] % group  # zero columns (and zero inputs) fill the last group
-        # ROWS_AT_ONCE is a multiple of the panel's 16 rows: the slices' panels concatenate
+        # ROW_BLOCK is a multiple of the panel's 16 rows: the slices' panels concatenate
         self.panels = torch.cat([int4_gemm.pack(*int4_gemm.quantize(F.pad(rows, (0, self.pad)), group))
                                  for rows in weight_slices(layer)])
 

@@ -54,7 +54,7 @@ def within_half_a_step(q: QuantizedLinear, plain: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
 def test_the_copy_quantises_every_linear_layer_and_shares_the_rest(target, target_dir, monkeypatch, scheme):
-    monkeypatch.setattr("runtime.target.quantized_copy.ROWS_AT_ONCE", 16)  # every layer quantised in several slices
+    monkeypatch.setattr("runtime.target.quantized_copy.ROW_BLOCK", 16)  # every layer quantised in several slices
     copied = quantized_copy(target, scheme)
     linears = [m for m in target.modules() if isinstance(m, Packable)]
     quantized = [m for m in copied.modules() if isinstance(m, QuantizedLinear)]

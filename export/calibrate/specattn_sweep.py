@@ -36,7 +36,7 @@ from runtime.target.model import ForwardOutput, Taps, Transformer
 from runtime.target.quant_kv_cache import QuantizedKVCache
 
 DENSE_P = 1.0  # reads every key: the dense baseline the changes are relative to
-QUERY_SLICE = 512  # queries per forward of a long row: its transients, draft slice and masked scores follow it
+QUERY_SLICE = 256  # queries per forward of a long row: its transients, draft slice and masked scores follow it
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,8 @@ def sparse_nll(target: Transformer, row: CalibrationRow, sparse: SpecAttnConfig,
         hidden.append(out.hidden)
         slice_reads, slice_dense = kv_reads(keep, torch.ones(end - start, end, dtype=torch.bool).tril(start), n_kv)
         reads, dense = reads + slice_reads, dense + slice_dense
+        del keep
+        release_freed_memory()  # each slice's temporaries outgrow the last's: the heap's holes would not be reused
     return hidden_nll(target, torch.cat(hidden, 1), row.ids), reads, dense
 
 
